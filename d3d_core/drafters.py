@@ -1,0 +1,485 @@
+"""The two block-diffusion drafters, in one file you can read top to bottom.
+
+Both drafters reuse the target's layer shape (Llama / Qwen3 decoder layers), share the
+target's frozen token embedding, LM head and rotary embedding, and draft a whole block
+``[anchor, MASK x (B-1)]`` in one forward (same-position prediction: the output at block
+position k predicts the token at position s+k).
+
+- ``DFlashDrafter`` (target-conditioned): hidden states of a few target layers are fused
+  (``Linear(n*H -> H)`` + RMSNorm) and injected as extra keys/values in every drafter
+  layer. It cannot draft the next block before the target has verified this one.
+- ``D3DDrafter`` (standalone): no target features. Committed tokens run through the
+  same stack as a causal *context stream* written to the drafter's own KV cache; blocks
+  attend to that cache. Because it needs nothing from the target, it can draft while
+  the target verifies (the ``d3d-async`` mode, see ``engine.py``).
+
+Shapes: the engine decodes one sequence at a time, so tensors carry a leading batch of 1.
+``T`` = cached positions, ``N`` = query positions in this forward, ``H`` = hidden size,
+``nh``/``nkv`` = query / key-value heads, ``hd`` = head dim, ``V`` = vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NEG_INF = -1e9  # additive mask value; finite so fully-masked rows never produce NaN
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The target's decoder-layer shape, which both drafters copy."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    num_target_layers: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ArchConfig":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            vocab_size=cfg.vocab_size,
+            qk_norm=cfg.model_type.startswith("qwen3"),
+            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            num_target_layers=cfg.num_hidden_layers,
+        )
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Everything needed to rebuild a drafter (saved as JSON next to its weights)."""
+
+    kind: str  # "d3d" or "dflash"
+    arch: ArchConfig
+    num_layers: int
+    block_size: int = 8  # block size it was trained for; any B >= 2 runs
+    init_layers: tuple = ()  # target layers the drafter layers were initialised from
+    target_layer_ids: tuple = ()  # dflash only: target layers whose hidden states are fused
+    skip_layers: tuple = ()  # pruned layers: their residual stream passes through
+    mask_token_id: Optional[int] = None  # dflash checkpoints may name a vocab mask token
+    training: dict = field(default_factory=dict)  # how it was trained (data, steps, offline tau)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DrafterConfig":
+        d = dict(d)
+        arch = ArchConfig(**d.pop("arch"))
+        for k in ("init_layers", "target_layer_ids", "skip_layers"):
+            d[k] = tuple(d.get(k) or ())
+        return cls(arch=arch, **d)
+
+
+def evenly_spaced(n: int, lo: int, hi: int) -> tuple:
+    """n integers evenly spaced in [lo, hi] (DFlash picks target layers this way)."""
+    if n <= 0:
+        return ()
+    if n == 1:
+        return (int(round((lo + hi) / 2)),)
+    return tuple(int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    # x: (1, heads, N, hd); cos/sin: (1, N, hd) -> broadcast over heads
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """GQA attention with parameter names of the HF Llama/Qwen3 layers, so a target
+    layer's state dict loads straight in. Keys = cached keys + this forward's keys."""
+
+    def __init__(self, a: ArchConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, self.nh * self.hd, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.nkv * self.hd, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.nkv * self.hd, bias=a.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=a.attention_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_kv(self, x, cos, sin):
+        """x: (1, N, H) -> k, v: (1, nkv, N, hd), RoPE applied to k."""
+        n = x.shape[1]
+        k = self.k_proj(x).view(1, n, self.nkv, self.hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(1, n, self.nkv, self.hd).transpose(1, 2)
+        return k, v
+
+    def forward(self, x, cos, sin, past, mask):
+        """x: (1, N, H); past: (k, v) each (1, nkv, T, hd) or None; mask: (1, 1, N, T+N)
+        additive float. Returns the output (1, N, H) and this forward's (k, v)."""
+        n = x.shape[1]
+        q = self.q_proj(x).view(1, n, self.nh, self.hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (1, nh, N, hd)
+        k_new, v_new = self.project_kv(x, cos, sin)
+        if past is not None and past[0].shape[2] > 0:
+            k = torch.cat([past[0], k_new], dim=2)
+            v = torch.cat([past[1], v_new], dim=2)
+        else:
+            k, v = k_new, v_new
+        # float additive mask: bool masks are silently wrong with some kernels (DESIGN §6)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
+        y = y.transpose(1, 2).reshape(1, n, self.nh * self.hd)
+        return self.o_proj(y), (k_new, v_new)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ArchConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer, HF parameter names (input_layernorm, self_attn, ...)."""
+
+    def __init__(self, a: ArchConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, x, cos, sin, past, mask):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """The drafter's own per-layer KV cache for committed positions 0..T-1.
+    Each entry is (k, v) of shape (1, nkv, T, hd)."""
+
+    def __init__(self, num_layers: int):
+        self.kv: list = [None] * num_layers
+
+    def __len__(self) -> int:
+        for e in self.kv:
+            if e is not None:
+                return e[0].shape[2]
+        return 0
+
+    def get(self, i):
+        return self.kv[i]
+
+    def append(self, i: int, k, v):
+        if self.kv[i] is None:
+            self.kv[i] = (k, v)
+        else:
+            pk, pv = self.kv[i]
+            self.kv[i] = (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+
+    def crop(self, length: int):
+        self.kv = [None if e is None else (e[0][:, :, :length], e[1][:, :, :length]) for e in self.kv]
+
+
+class SharedParts:
+    """The target's frozen parts a drafter borrows (never saved with the drafter)."""
+
+    def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module, rotary_emb: nn.Module):
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.rotary_emb = rotary_emb
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor):
+        """positions: (N,) long -> cos, sin: (1, N, hd)."""
+        return self.rotary_emb(like, positions[None])
+
+
+# ----------------------------------------------------------------------------- drafters
+
+
+class _DrafterBase(nn.Module):
+    def __init__(self, cfg: DrafterConfig, shared: SharedParts):
+        super().__init__()
+        self.cfg = cfg
+        a = cfg.arch
+        self.layers = nn.ModuleList([DecoderLayer(a) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        # stored outside the module tree so state_dict() / parameters() hold only our weights
+        object.__setattr__(self, "shared", shared)
+        self.skip = set(cfg.skip_layers)
+
+    # ---- weights
+    def init_from_target(self, target_layers: nn.ModuleList, final_norm: nn.Module):
+        """Copy target layers cfg.init_layers[i] -> drafter layer i (and the final norm)."""
+        for i, src in enumerate(self.cfg.init_layers):
+            self.layers[i].load_state_dict(target_layers[src].state_dict())
+        self.norm.load_state_dict(final_norm.state_dict())
+
+    def set_skip_layers(self, skip) -> None:
+        skip = tuple(sorted(set(int(s) for s in skip)))
+        bad = [s for s in skip if not 0 <= s < self.cfg.num_layers]
+        if bad:
+            raise ValueError(f"skip_layers {bad} out of range: this drafter has layers 0..{self.cfg.num_layers - 1}")
+        self.skip = set(skip)
+        self.cfg = replace(self.cfg, skip_layers=skip)
+
+    def active_layers(self):
+        return [i for i in range(self.cfg.num_layers) if i not in self.skip]
+
+    def logits(self, h):
+        """h: (..., H) final hidden -> (..., V) logits via the shared, frozen LM head."""
+        return self.shared.lm_head(self.norm(h))
+
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt", "kind": self.cfg.kind})
+        (path / "config.json").write_text(json.dumps(self.cfg.to_json(), indent=2))
+
+    @property
+    def device(self):
+        return self.norm.weight.device
+
+    @property
+    def dtype(self):
+        return self.norm.weight.dtype
+
+
+class D3DDrafter(_DrafterBase):
+    """Standalone block-diffusion drafter with a causal context stream.
+
+    One forward can hold, in this order: ``C`` context tokens (causal, each sees the cache
+    and earlier context tokens) and any number of blocks, each ``[anchor, MASK x (L-1)]``
+    that sees the cache, a prefix of the context tokens, and itself (bidirectional) —
+    never another block. ``d3d-seq`` uses one block; ``d3d-async`` packs ``H`` hypothesis
+    blocks over a provisional context in one forward; training uses the same layout.
+    """
+
+    def __init__(self, cfg: DrafterConfig, shared: SharedParts):
+        super().__init__(cfg, shared)
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.arch.hidden_size))
+
+    def build_inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int):
+        """Embeddings, positions and the 4-D additive mask for one packed forward.
+
+        ctx_ids: (C,) tokens at positions cache_len .. cache_len+C-1.
+        blocks: list of (anchor_id, n_visible): the block's anchor sits right after the
+        first n_visible context tokens, i.e. at position cache_len + n_visible.
+        Returns x (1, N, H), positions (N,), mask (1, 1, N, T+N) with N = C + len(blocks)*L.
+        """
+        dev = self.device
+        C, L, T = ctx_ids.shape[0], block_len, cache_len
+        nb = len(blocks)
+        N = C + nb * L
+        emb = self.shared.embed_tokens
+        anchors = torch.tensor([b[0] for b in blocks], dtype=torch.long, device=dev)
+        parts = [emb(ctx_ids.to(dev))] if C else []
+        if nb:
+            a_emb = emb(anchors)  # (nb, H)
+            blk = self.mask_embedding.to(a_emb.dtype).expand(nb, L, -1).clone()
+            blk[:, 0] = a_emb
+            parts.append(blk.reshape(nb * L, -1))
+        x = torch.cat(parts, dim=0)[None]  # (1, N, H)
+
+        pos = torch.empty(N, dtype=torch.long)
+        pos[:C] = torch.arange(T, T + C)
+        allowed = torch.zeros(N, T + N, dtype=torch.bool)
+        allowed[:, :T] = True  # everyone sees the committed cache
+        allowed[:C, T : T + C] = torch.tril(torch.ones(C, C, dtype=torch.bool))  # causal context
+        for b, (_, n_vis) in enumerate(blocks):
+            r = C + b * L
+            pos[r : r + L] = torch.arange(T + n_vis, T + n_vis + L)
+            allowed[r : r + L, T : T + n_vis] = True  # context prefix up to the anchor
+            allowed[r : r + L, T + r : T + r + L] = True  # bidirectional inside the block
+        mask = torch.zeros(N, T + N, dtype=self.dtype)
+        mask.masked_fill_(~allowed, NEG_INF)
+        return x, pos.to(dev), mask.to(dev)[None, None]
+
+    def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int):
+        """Run context + blocks in one forward.
+
+        Returns (h_ctx (C, H), h_blocks (nb, L, H), new_kv) where new_kv[i] = (k, v) of the
+        context tokens for layer i, (1, nkv, C, hd) — commit a prefix with ``commit_kv``.
+        Block keys are dropped: blocks are never cached.
+        """
+        T = len(cache)
+        C = ctx_ids.shape[0]
+        x, pos, mask = self.build_inputs(T, ctx_ids, blocks, block_len)
+        cos, sin = self.shared.rope(pos, x)
+        new_kv = [None] * self.cfg.num_layers
+        for i in self.active_layers():
+            x, (k, v) = self.layers[i](x, cos, sin, cache.get(i), mask)
+            new_kv[i] = (k[:, :, :C], v[:, :, :C])
+        h = x[0]
+        return h[:C], h[C:].view(len(blocks), block_len, h.shape[-1]), new_kv
+
+    @staticmethod
+    def commit_kv(cache: KVCache, new_kv: list, n: int) -> None:
+        """Append the first n context positions of a forward's KV to the cache."""
+        if n <= 0:
+            return
+        for i, e in enumerate(new_kv):
+            if e is not None:
+                cache.append(i, e[0][:, :, :n], e[1][:, :, :n])
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.num_layers)
+
+
+class DFlashDrafter(_DrafterBase):
+    """Target-conditioned block-diffusion drafter (DFlash-style).
+
+    Target hidden states of ``target_layer_ids`` for committed positions are fused to
+    one feature per position; every drafter layer turns those features into extra keys /
+    values (its own k_proj / v_proj, cached). Queries come only from the block.
+    """
+
+    def __init__(self, cfg: DrafterConfig, shared: SharedParts):
+        super().__init__(cfg, shared)
+        a = cfg.arch
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * a.hidden_size, a.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(a.hidden_size))
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (1, N, n*H) concatenated target hidden states -> (1, N, H)."""
+        return self.hidden_norm(self.fc(feats.to(self.dtype)))
+
+    def extend_context(self, cache: KVCache, feats: torch.Tensor) -> None:
+        """Append K/V for N newly committed positions. feats: (1, N, n*H)."""
+        n = feats.shape[1]
+        if n == 0:
+            return
+        T = len(cache)
+        f = self.fuse(feats)
+        pos = torch.arange(T, T + n, device=self.device)
+        cos, sin = self.shared.rope(pos, f)
+        for i in self.active_layers():
+            k, v = self.layers[i].self_attn.project_kv(f, cos, sin)
+            cache.append(i, k, v)
+
+    def forward_blocks(self, cache: KVCache, blocks: list, block_len: int):
+        """blocks: list of anchor ids, all anchored at position len(cache) (the context
+        ends right before the anchor). Returns h (nb, L, H)."""
+        T = len(cache)
+        nb, L = len(blocks), block_len
+        emb = self.shared.embed_tokens
+        a_emb = emb(torch.tensor(blocks, dtype=torch.long, device=self.device))
+        x = self.mask_embedding.to(a_emb.dtype).expand(nb, L, -1).clone()
+        x[:, 0] = a_emb
+        x = x.reshape(1, nb * L, -1)
+        pos = torch.arange(T, T + L, device=self.device).repeat(nb)
+        allowed = torch.zeros(nb * L, T + nb * L, dtype=torch.bool)
+        allowed[:, :T] = True
+        for b in range(nb):
+            allowed[b * L : (b + 1) * L, T + b * L : T + (b + 1) * L] = True
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, NEG_INF)
+        mask = mask.to(self.device)[None, None]
+        cos, sin = self.shared.rope(pos, x)
+        for i in self.active_layers():
+            x, _ = self.layers[i](x, cos, sin, cache.get(i), mask)
+        return x[0].view(nb, L, -1)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.num_layers)
+
+
+DRAFTER_CLASSES = {"d3d": D3DDrafter, "dflash": DFlashDrafter}
+
+
+def build_drafter(cfg: DrafterConfig, shared: SharedParts) -> _DrafterBase:
+    if cfg.kind not in DRAFTER_CLASSES:
+        raise ValueError(f"unknown drafter kind {cfg.kind!r}; expected one of {sorted(DRAFTER_CLASSES)}")
+    return DRAFTER_CLASSES[cfg.kind](cfg, shared)
+
+
+def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtype=torch.float32):
+    """Load a drafter saved with ``save``: config.json + model.safetensors (never pickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, w_file = path / "config.json", path / "model.safetensors"
+    missing = [p.name for p in (cfg_file, w_file) if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"drafter at {path} is missing {', '.join(missing)}")
+    try:
+        cfg = DrafterConfig.from_json(json.loads(cfg_file.read_text()))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"drafter config {cfg_file} is malformed: {e}") from e
+    if cfg.arch != arch:
+        raise ValueError(f"drafter at {path} was built for a different target shape ({cfg.arch}) than this bundle's ({arch})")
+    model = build_drafter(cfg, shared)
+    try:
+        sd = load_file(str(w_file))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"drafter weights {w_file} are unreadable (truncated or not safetensors): {e}") from e
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"drafter weights {w_file} do not match its config: {str(e)[:400]}") from e
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def describe(m: _DrafterBase) -> str:
+    n = sum(p.numel() for p in m.parameters())
+    return f"{m.cfg.kind} drafter: {m.cfg.num_layers} layers ({len(m.active_layers())} active), {n / 1e6:.1f}M own params"
