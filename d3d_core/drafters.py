@@ -278,6 +278,14 @@ class _DrafterBase(nn.Module):
         self.skip = set(skip)
         self.cfg = replace(self.cfg, skip_layers=skip)
 
+    def pruned(self, skip) -> "_DrafterBase":
+        """A copy sharing every weight, with its own skip set (pruning without copying)."""
+        import copy
+
+        c = copy.copy(self)
+        c.set_skip_layers(skip)
+        return c
+
     def active_layers(self):
         return [i for i in range(self.cfg.num_layers) if i not in self.skip]
 

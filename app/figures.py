@@ -1,0 +1,345 @@
+"""Every plot is a pure function of Traces (or of a pruning curve / bench result) -> plotly Figure.
+
+No Gradio here, no model access: testable without a browser. Colours follow the
+Okabe-Ito palette (colour-blind safe); every state also has a text label or symbol.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from d3d_core.trace import Trace, idle_time, overlap_share
+
+# Okabe-Ito
+BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
+    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#999999",
+)
+KIND_COLOURS = {"prefill": PURPLE, "verify": BLUE, "draft": ORANGE, "packed_draft": GREEN, "sync_draft": VERMILLION}
+KIND_LABELS = {
+    "prefill": "prefill",
+    "verify": "verify (target)",
+    "draft": "draft (after verify)",
+    "packed_draft": "packed draft (during verify)",
+    "sync_draft": "sync draft (after a miss)",
+}
+MODE_COLOURS = {"ar": GREY, "dflash": ORANGE, "d3d-seq": SKY, "d3d-async": GREEN}
+LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=40), font=dict(size=13))
+
+
+def _empty(title: str, msg: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=msg, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=15, color=GREY))
+    fig.update_layout(title=title, xaxis=dict(visible=False), yaxis=dict(visible=False), height=260, **LAYOUT)
+    return fig
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+def timeline_figure(traces: list) -> go.Figure:
+    """Gantt chart in ms: lanes target / drafter per mode, spans coloured by kind, hits ✓ and
+    misses ✗ marked at the end of each d3d-async verify, all modes on one time axis
+    (each measured from its own start)."""
+    traces = [t for t in traces if t is not None]
+    if not traces:
+        return _empty("Draft / verify timeline", "Run a race to see when the target and the drafter are busy.")
+    fig = go.Figure()
+    lanes = []
+    for tr in traces:
+        for lane in ("target", "drafter"):
+            if lane == "drafter" and tr.mode == "ar":
+                continue
+            lanes.append(f"{tr.mode} · {lane}")
+    seen = set()
+    for kind in KIND_COLOURS:
+        xs, bases, ys, hover = [], [], [], []
+        for tr in traces:
+            for s in tr.spans:
+                if s.kind != kind:
+                    continue
+                xs.append(max(s.duration, 0.05))
+                bases.append(s.t_start)
+                ys.append(f"{tr.mode} · {s.lane}")
+                r = "prefill" if s.round < 0 else f"round {s.round}"
+                hover.append(f"{tr.mode} {s.lane}: {KIND_LABELS[kind]}<br>{r}<br>{s.t_start:.1f} → {s.t_end:.1f} ms ({s.duration:.1f} ms)")
+        if not xs:
+            continue
+        seen.add(kind)
+        fig.add_trace(go.Bar(
+            x=xs, base=bases, y=ys, orientation="h", name=KIND_LABELS[kind], marker_color=KIND_COLOURS[kind],
+            marker_line=dict(color="white", width=0.5), hovertext=hover, hoverinfo="text", width=0.7,
+        ))
+    # hits / misses at the end of each async verify
+    for tr in traces:
+        if tr.mode != "d3d-async":
+            continue
+        ends = {s.round: s.t_end for s in tr.spans if s.kind == "verify"}
+        for hit, sym, col, name in ((True, "triangle-up", GREEN, "hit ✓"), (False, "x", VERMILLION, "miss ✗")):
+            xs = [ends[r.index] for r in tr.rounds if r.hit is hit and r.index in ends]
+            if xs:
+                fig.add_trace(go.Scatter(
+                    x=xs, y=[f"{tr.mode} · target"] * len(xs), mode="markers", name=name,
+                    marker=dict(symbol=sym, size=9, color=col, line=dict(color="black", width=1)),
+                    hovertemplate=name + " at %{x:.1f} ms<extra></extra>",
+                ))
+    fig.update_layout(
+        title="Draft / verify timeline (ms since each run started; gaps = idle)", barmode="overlay",
+        xaxis=dict(title="time (ms)", rangemode="tozero"),
+        yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes)), title=None),
+        legend=dict(orientation="h", y=-0.25), height=max(300, 70 * len(lanes) + 140), **LAYOUT,
+    )
+    return fig
+
+
+def timeline_summary(traces: list) -> pd.DataFrame:
+    """Overlap share and idle time per lane, per mode."""
+    rows = []
+    for tr in traces:
+        if tr is None:
+            continue
+        end = max((s.t_end for s in tr.spans), default=0.0)
+        ov = overlap_share(tr.spans)
+        rows.append({
+            "mode": tr.mode,
+            "wall (ms)": round(end, 1),
+            "overlap share": "-" if tr.mode != "d3d-async" or ov is None else f"{ov:.0%}",
+            "target idle (ms)": round(idle_time(tr.spans, "target", 0.0, end), 1),
+            "drafter idle (ms)": "-" if tr.mode == "ar" else round(idle_time(tr.spans, "drafter", 0.0, end), 1),
+            "hit rate": "-" if tr.stats.hit_rate is None else f"{tr.stats.hit_rate:.0%}",
+        })
+    return pd.DataFrame(rows, columns=["mode", "wall (ms)", "overlap share", "target idle (ms)", "drafter idle (ms)", "hit rate"])
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def acceptance_figure(traces: list) -> go.Figure:
+    """Histogram of tokens per round (accepted + bonus) per mode, τ marked."""
+    traces = [t for t in traces if t is not None and t.rounds and t.mode != "ar"]
+    if not traces:
+        return _empty("Tokens per round", "Run a race with a drafting mode to see acceptance lengths.")
+    B = max(int(t.config.get("block_size", 8)) for t in traces)
+    fig = go.Figure()
+    for tr in traces:
+        counts = [0] * (B + 1)
+        for r in tr.rounds:
+            counts[min(r.accepted + 1, B)] += 1
+        n = len(tr.rounds)
+        fig.add_trace(go.Bar(
+            x=list(range(1, B + 1)), y=[c / n for c in counts[1:]], name=f"{tr.mode} (τ = {tr.stats.tau:.2f})",
+            marker_color=MODE_COLOURS.get(tr.mode, GREY),
+            hovertemplate=tr.mode + ": %{y:.0%} of rounds gave %{x} tokens<extra></extra>",
+        ))
+        fig.add_vline(x=tr.stats.tau, line=dict(color=MODE_COLOURS.get(tr.mode, GREY), dash="dash", width=2))
+    fig.update_layout(
+        title="Tokens per round (accepted drafts + bonus); dashed line = τ", barmode="group",
+        xaxis=dict(title="tokens committed in the round", dtick=1), yaxis=dict(title="share of rounds", tickformat=".0%"),
+        legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT,
+    )
+    return fig
+
+
+def speedup_vs_block_figure(sweep: Optional[dict]) -> go.Figure:
+    """Measured speedup (and τ) per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}."""
+    if not sweep:
+        return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.bench --block-sizes …).")
+    fig = go.Figure()
+    for mode, pts in sweep.items():
+        bs = sorted(int(b) for b in pts)
+        fig.add_trace(go.Scatter(
+            x=bs, y=[pts[str(b)]["speedup"] if str(b) in pts else pts[b]["speedup"] for b in bs], mode="lines+markers",
+            name=mode, marker_color=MODE_COLOURS.get(mode, GREY),
+        ))
+    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"))
+    fig.update_layout(title="Measured speedup vs block size", xaxis=dict(title="block size B", type="log", dtick=math.log10(2)),
+                      yaxis=dict(title="speedup vs ar"), height=360, **LAYOUT)
+    return fig
+
+
+# ----------------------------------------------------------------------------- rounds grid
+
+STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS = range(5)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus"]
+STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE]
+
+
+def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:
+    """One row per round, one column per block position (anchor, d_1..d_{B-1}) plus the
+    bonus. Cell text = the token, colour + hover = its state, q(d) and the target's token.
+    ``pieces``: token id -> readable text. ``upto``: show rounds 0..upto (replay)."""
+    if trace is None or not trace.rounds:
+        return _empty("Rounds", "Run a race, then pick a mode to inspect its rounds.")
+    rounds = trace.rounds if upto is None else trace.rounds[: max(0, upto) + 1]
+    B = max(len(r.draft_ids) for r in trace.rounds) + 1
+    cols = ["anchor"] + [f"d{j}" for j in range(1, B)] + ["bonus"]
+    z, text, hover = [], [], []
+
+    def show(t):
+        s = pieces.get(t, str(t))
+        s = s.replace("\n", "⏎").replace(" ", "␣")
+        return s if len(s) <= 8 else s[:7] + "…"
+
+    for r in rounds:
+        zr = [STATE_ANCHOR]
+        tr_ = [show(r.anchor_id)]
+        hr = [f"round {r.index} · anchor at position {r.anchor_pos}: {pieces.get(r.anchor_id, r.anchor_id)!r}"]
+        for j in range(1, B):
+            if j - 1 < len(r.draft_ids):
+                d = r.draft_ids[j - 1]
+                if j <= r.accepted:
+                    st = STATE_ACCEPTED
+                elif j == r.accepted + 1:
+                    st = STATE_MISMATCH
+                else:
+                    st = STATE_UNVERIFIED
+                q = r.draft_probs[j - 1] if j - 1 < len(r.draft_probs) else float("nan")
+                y = r.target_ids[j - 1] if j - 1 < len(r.target_ids) else None
+                zr.append(st)
+                tr_.append(show(d))
+                hr.append(
+                    f"round {r.index} · d{j} = {pieces.get(d, d)!r} ({STATE_NAMES[st]})<br>drafter q(d) = {q:.3f}"
+                    + (f"<br>target's token: {pieces.get(y, y)!r}" if y is not None else "")
+                )
+            else:
+                zr.append(None)
+                tr_.append("")
+                hr.append("")
+        zr.append(STATE_BONUS)
+        tr_.append(show(r.bonus))
+        hr.append(f"round {r.index} · bonus {pieces.get(r.bonus, r.bonus)!r} (target's token after {r.accepted} accepted)")
+        z.append(zr)
+        text.append(tr_)
+        hover.append(hr)
+    n = len(STATE_NAMES)
+    scale = []
+    for i, c in enumerate(STATE_COLOURS):
+        scale += [[i / n, c], [(i + 1) / n, c]]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=cols, y=[f"r{r.index}" + ("" if r.hit is None else (" ✓" if r.hit else " ✗")) for r in rounds],
+        text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text", colorscale=scale, zmin=0, zmax=n,
+        xgap=2, ygap=2, showscale=False, textfont=dict(size=12),
+    ))
+    for i, (name, c) in enumerate(zip(STATE_NAMES, STATE_COLOURS)):  # legend with text labels
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=c, symbol="square"), name=name))
+    fig.update_layout(
+        title=f"{trace.mode}: rounds (✓ / ✗ = a hypothesis hit / missed)" if trace.mode == "d3d-async" else f"{trace.mode}: rounds",
+        yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
+        legend=dict(orientation="h", y=-0.05), height=min(2400, 120 + 26 * len(rounds)), **LAYOUT,
+    )
+    return fig
+
+
+def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.DataFrame:
+    """The hypotheses drafted during round `index` (d3d-async), best first."""
+    cols = ["a (accepted)", "t (bonus)", "score P(a,t)", "drafted successor block", "hit"]
+    if trace is None or trace.mode != "d3d-async" or not 0 <= index < len(trace.rounds):
+        return pd.DataFrame(columns=cols)
+    r = trace.rounds[index]
+    rows = [{
+        cols[0]: h.accepted, cols[1]: pieces.get(h.token, str(h.token)), cols[2]: round(h.score, 4),
+        cols[3]: "".join(pieces.get(t, "?") for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "",
+    } for h in r.hypotheses]
+    return pd.DataFrame(rows, columns=cols)
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) -> go.Figure:
+    """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
+    user's current toggle choice."""
+    if not curve or not curve.get("curve"):
+        return _empty("Progressive pruning", "No pruning curve for this bundle yet (python -m d3d_core.prune …).")
+    pts = curve["curve"]
+    fig = go.Figure(go.Scatter(
+        x=[p["removed"] for p in pts], y=[p["tau"] for p in pts], mode="lines+markers", name="greedy pruning",
+        marker_color=BLUE, customdata=[[", ".join(map(str, p["kept"])), p.get("tau_rel", 1.0)] for p in pts],
+        hovertemplate="%{x} removed: τ = %{y:.3f} (%{customdata[1]:.1%} of full)<br>kept layers: %{customdata[0]}<extra></extra>",
+    ))
+    t0 = pts[0]["tau"]
+    fig.add_hline(y=0.99 * t0, line=dict(color=GREEN, dash="dash"), annotation_text="99 % of full τ")
+    if live is not None:
+        fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
+                                 marker=dict(size=14, symbol="star", color=VERMILLION, line=dict(color="black", width=1))))
+    fig.update_layout(title="Offline τ vs drafter layers removed", xaxis=dict(title="layers removed", dtick=1),
+                      yaxis=dict(title="offline τ"), height=360, **LAYOUT)
+    return fig
+
+
+def marginal_cost_figure(curve: Optional[dict]) -> go.Figure:
+    if not curve or not curve.get("marginal_cost"):
+        return _empty("Marginal cost per layer", "No pruning curve for this bundle yet.")
+    mc = curve["marginal_cost"]
+    layers = sorted(mc, key=lambda k: int(k))
+    fig = go.Figure(go.Bar(
+        x=[f"L{k}" for k in layers], y=[mc[k] for k in layers], marker_color=[VERMILLION if mc[k] > 0.05 else GREEN for k in layers],
+        hovertemplate="removing %{x} alone costs Δτ = %{y:.3f}<extra></extra>",
+    ))
+    fig.update_layout(title="Δτ when one layer is removed from the full drafter", xaxis=dict(title="drafter layer"),
+                      yaxis=dict(title="τ lost"), height=320, **LAYOUT)
+    return fig
+
+
+# ----------------------------------------------------------------------------- explainer diagrams
+
+
+def _blocks_diagram(rows: list, title: str, height: int = 230) -> go.Figure:
+    """rows: [(label, [(x0, x1, colour, text)])] drawn as labelled rectangles on a time axis."""
+    fig = go.Figure()
+    for yi, (label, boxes) in enumerate(rows):
+        for x0, x1, col, txt in boxes:
+            fig.add_shape(type="rect", x0=x0, x1=x1, y0=yi - 0.35, y1=yi + 0.35, fillcolor=col, line=dict(color="white", width=1))
+            fig.add_annotation(x=(x0 + x1) / 2, y=yi, text=txt, showarrow=False, font=dict(color="white", size=12))
+    fig.update_layout(
+        title=title, height=height, showlegend=False,
+        xaxis=dict(title="time →", showticklabels=False, range=[0, max(x1 for _, b in rows for _, x1, _, _ in b) + 0.2]),
+        yaxis=dict(tickvals=list(range(len(rows))), ticktext=[r[0] for r in rows], autorange="reversed", range=[-0.6, len(rows) - 0.4]),
+        **LAYOUT,
+    )
+    return fig
+
+
+def diagram_ar() -> go.Figure:
+    return _blocks_diagram([("target", [(i, i + 0.95, BLUE, f"tok {i + 1}") for i in range(6)])],
+                           "Autoregressive: one target forward per token", 170)
+
+
+def diagram_draft_verify() -> go.Figure:
+    return _blocks_diagram([
+        ("drafter", [(0, 0.6, ORANGE, "draft B"), (2.1, 2.7, ORANGE, "draft B")]),
+        ("target", [(0.6, 2.1, BLUE, "verify block → a+1 tokens"), (2.7, 4.2, BLUE, "verify → a+1")]),
+    ], "Draft then verify: one target forward commits accepted drafts + a bonus token")
+
+
+def diagram_dflash() -> go.Figure:
+    return _blocks_diagram([
+        ("drafter", [(0, 0.5, ORANGE, "draft"), (2.0, 2.5, ORANGE, "draft"), (4.0, 4.5, ORANGE, "draft")]),
+        ("target", [(0.5, 2.0, BLUE, "verify + hidden states"), (2.5, 4.0, BLUE, "verify + hidden states")]),
+    ], "DFlash: the next draft needs this verify's hidden states, so the lanes take turns")
+
+
+def diagram_d3d_async() -> go.Figure:
+    return _blocks_diagram([
+        ("drafter", [(0, 0.6, VERMILLION, "draft"), (0.6, 1.9, GREEN, "packed: H successors"), (2.1, 3.4, GREEN, "packed: H successors"), (3.6, 4.2, VERMILLION, "miss: sync draft")]),
+        ("target", [(0.6, 2.1, BLUE, "verify k  ✓ hit"), (2.1, 3.6, BLUE, "verify k+1  ✗ miss"), (4.2, 5.7, BLUE, "verify k+2")]),
+    ], "D3D async: drafting the successor overlaps verify; a hit starts the next verify at once")
+
+
+def diagram_pruning() -> go.Figure:
+    fig = go.Figure()
+    n = 8
+    for i in range(n):
+        skipped = i in (2, 5)
+        fig.add_shape(type="rect", x0=i, x1=i + 0.85, y0=0, y1=1, fillcolor="#EEEEEE" if skipped else BLUE,
+                      line=dict(color=GREY, dash="dot" if skipped else "solid"))
+        fig.add_annotation(x=i + 0.42, y=0.5, text=("skip" if skipped else f"L{i}"), showarrow=False,
+                           font=dict(color=GREY if skipped else "white"))
+    fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
+                       showarrow=False)
+    fig.update_layout(title="Pruning drafter layers", height=170, xaxis=dict(visible=False, range=[-0.2, n]),
+                      yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)
+    return fig

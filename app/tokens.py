@@ -1,0 +1,133 @@
+"""Token colouring: a Trace -> HTML for one race column. Pure functions, no Gradio.
+
+States (colour + a text style + a tooltip, never colour alone):
+accepted draft (green, underlined) · bonus / corrected token (blue, bold, boxed) ·
+rejected draft (vermillion, struck through, shown in the round it was rejected) ·
+pending = drafted, not yet verified (grey, italic, dashed).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Optional
+
+from d3d_core.trace import Trace
+
+CSS = """
+<style>
+.d3d-col {font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13.5px; line-height: 1.9;
+          border: 1px solid #ddd; border-radius: 8px; padding: 8px 10px; min-height: 120px; background: #fff; color: #222;}
+.d3d-head {font-family: system-ui, sans-serif; font-weight: 700; font-size: 15px; margin-bottom: 4px;}
+.d3d-stats {font-family: system-ui, sans-serif; font-size: 12.5px; color: #333; margin-bottom: 6px;
+            display: grid; grid-template-columns: repeat(3, auto); gap: 2px 10px;}
+.d3d-stats b {font-variant-numeric: tabular-nums;}
+.tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
+.tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
+.tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
+.tok.first {background: #CC79A726; border: 1px solid #CC79A7;}
+.tok.rej {color: #D55E00; text-decoration: line-through; text-decoration-thickness: 2px; font-size: 12px;}
+.tok.pend {color: #666; font-style: italic; border-bottom: 1px dashed #999;}
+.tok.ar {background: none;}
+.d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
+.d3d-done {font-family: system-ui, sans-serif; font-size: 12px; color: #555; margin-top: 6px;}
+</style>
+"""
+
+
+def legend_html() -> str:
+    return CSS + (
+        '<div class="d3d-legend"><span>Legend:</span>'
+        '<span><span class="tok acc">accepted</span> accepted draft</span>'
+        '<span><span class="tok bonus">bonus</span> bonus / corrected token (from the target)</span>'
+        '<span><span class="tok rej">rejected</span> rejected draft (struck through)</span>'
+        '<span><span class="tok pend">pending</span> drafted, not yet verified</span>'
+        '<span><span class="tok first">first</span> first token (from prefill)</span>'
+        "</div>"
+    )
+
+
+def _tok(text: str, cls: str, tip: str) -> str:
+    t = html.escape(text).replace("\n", "⏎<br>")
+    return f'<span class="tok {cls}" title="{html.escape(tip)}">{t}</span>'
+
+
+def _fmt(v, fmt="{:.2f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Optional[float] = None,
+                ar_time_per_token: Optional[float] = None, running: bool = False) -> str:
+    """HTML of one race column. ``t_ms``: show the state at that time of the run (replay);
+    ``ar_time_per_token``: seconds per token of the ar run, for the speedup counter."""
+    if trace is None:
+        return CSS + f'<div class="d3d-col"><div class="d3d-head">{html.escape(mode)}</div><i>waiting…</i></div>'
+    mode = trace.mode
+    P = lambda t: pieces.get(t, f"<{t}>")  # noqa: E731
+    verify_end = {s.round: s.t_end for s in trace.spans if s.kind == "verify"}
+    verify_start = {s.round: s.t_start for s in trace.spans if s.kind == "verify"}
+    prefill_end = max((s.t_end for s in trace.spans if s.kind == "prefill" and s.lane == "target"), default=0.0)
+    parts = []
+    n_tok, rounds_done, acc_sum, hits, hyp_rounds = 0, 0, 0, 0, 0
+    if trace.first_token is not None and (t_ms is None or t_ms >= prefill_end):
+        parts.append(_tok(P(trace.first_token), "first", "first token, sampled from the prefill logits"))
+        n_tok = 1
+    pending = None
+    for r in trace.rounds:
+        if t_ms is not None and r.index in verify_end and verify_end[r.index] > t_ms:
+            if r.index in verify_start and verify_start[r.index] <= t_ms:
+                pending = r
+            break
+        for j, d in enumerate(r.committed[:-1] if len(r.committed) == r.accepted + 1 else r.committed[: r.accepted]):
+            q = r.draft_probs[j] if j < len(r.draft_probs) else None
+            parts.append(_tok(P(d), "acc", f"accepted draft d{j + 1} (round {r.index}, drafter q = {_fmt(q)})"))
+        if r.accepted < len(r.draft_ids):
+            rej = r.draft_ids[r.accepted]
+            rest = "".join(P(x) for x in r.draft_ids[r.accepted + 1 :])
+            parts.append(_tok(P(rej), "rej", f"rejected draft d{r.accepted + 1} (round {r.index}); the drafts after it were discarded too: {rest!r}"))
+        if len(r.committed) == r.accepted + 1:
+            cls = "ar" if mode == "ar" else "bonus"
+            tip = "target token (autoregressive step)" if mode == "ar" else f"bonus token from the target (round {r.index}, {r.accepted} drafts accepted)"
+            parts.append(_tok(P(r.bonus), cls, tip))
+        n_tok += len(r.committed)
+        rounds_done += 1
+        acc_sum += r.accepted + 1
+        if r.hit is not None:
+            hyp_rounds += 1
+            hits += int(r.hit)
+    if pending is not None:
+        for j, d in enumerate(pending.draft_ids):
+            parts.append(_tok(P(d), "pend", f"drafted d{j + 1}, being verified (round {pending.index})"))
+    elif running and trace.rounds and trace.rounds[-1].hit:
+        # d3d-async: the hit hypothesis's block is already drafted and waits for verify
+        h = next(h for h in trace.rounds[-1].hypotheses if h.hit)
+        for j, d in enumerate(h.draft_ids):
+            parts.append(_tok(P(d), "pend", f"drafted during the last verify (hypothesis hit), not yet verified: d{j + 1}"))
+    st = trace.stats
+    final = bool(trace.finish_reason) and t_ms is None
+    if final:
+        tps = st.tokens_per_s
+        tau = st.tau
+        hr = st.hit_rate
+    else:
+        elapsed = ((t_ms if t_ms is not None else (max((s.t_end for s in trace.spans), default=0.0))) - prefill_end) / 1e3
+        tps = (n_tok - 1) / elapsed if elapsed > 0 and n_tok > 1 else None
+        tau = acc_sum / rounds_done if rounds_done else None
+        hr = hits / hyp_rounds if hyp_rounds else None
+    speed = None
+    if ar_time_per_token and tps:
+        speed = ar_time_per_token * tps  # (ar s/token) / (this mode's s/token)
+    fwd = (1 + rounds_done) if not final else st.target_forwards
+    stats = (
+        f"<span>tokens/s <b>{_fmt(tps, '{:.1f}')}</b></span><span>τ <b>{_fmt(tau)}</b></span>"
+        f"<span>rounds <b>{rounds_done}</b></span><span>target fwd <b>{fwd}</b></span>"
+        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span><span>speedup <b>{_fmt(speed, '{:.2f}×')}</b></span>"
+    )
+    foot = ""
+    if final:
+        foot = f'<div class="d3d-done">done: {n_tok} tokens, finish = {html.escape(trace.finish_reason)}, decode {st.decode_time_s:.2f} s</div>'
+    elif running:
+        foot = '<div class="d3d-done">running…</div>'
+    return (
+        CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
+        f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
+    )

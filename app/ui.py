@@ -1,0 +1,360 @@
+"""The Gradio Blocks app. Layout and event wiring only: every picture comes from
+``app.figures`` / ``app.tokens`` (pure functions of Traces); every computation from
+``d3d_core.service``. Per-user data lives in ``gr.State``; models are loaded once per
+process and shared read-only."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import gradio as gr
+
+from d3d_core import service
+from d3d_core.trace import MODES
+
+from . import explain, figures
+from .tokens import column_html, legend_html
+
+EXAMPLES = [
+    ["A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? Please reason step by step."],
+    ["Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples."],
+    ["What are three good habits for learning a new language? Answer briefly."],
+]
+STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
+
+
+def empty_state() -> dict:
+    return {"bundle": service.DEFAULT_BUNDLE, "traces": {}, "pieces": {}, "skip": [], "cancel": None}
+
+
+def _traces(state) -> list:
+    return [state["traces"].get(m) for m in MODES if state["traces"].get(m) is not None]
+
+
+def _ar_tpt(state):
+    ar = state["traces"].get("ar")
+    if ar is None or not ar.finish_reason or ar.stats.tokens_per_s <= 0:
+        return None
+    return 1.0 / ar.stats.tokens_per_s
+
+
+def _columns(state, running_mode=None) -> list:
+    tpt = _ar_tpt(state)
+    return [
+        column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m == running_mode))
+        for m in MODES
+    ]
+
+
+def _plots(state):
+    trs = _traces(state)
+    return (
+        figures.timeline_figure(trs),
+        figures.timeline_summary(trs),
+        figures.acceptance_figure(trs),
+    )
+
+
+def _rounds_view(state, mode, idx):
+    tr = state["traces"].get(mode)
+    if tr is None:
+        return figures.rounds_grid_figure(None, {}), figures.hypotheses_table(None, 0, {}), "Run a race first."
+    n = len(tr.rounds)
+    idx = int(min(max(0, idx or 0), max(0, n - 1)))
+    fig = figures.rounds_grid_figure(tr, state["pieces"], upto=idx)
+    if n == 0:
+        return fig, figures.hypotheses_table(None, 0, {}), "No rounds."
+    r = tr.rounds[idx]
+    cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts, "
+           f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
+           + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
+    if r.hit is not None:
+        cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
+    return fig, figures.hypotheses_table(tr, idx, state["pieces"]), cap
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, use_pruned, state):
+    """Stream the race: columns after every round (throttled), plots at the end."""
+    state = dict(state or empty_state())
+    no = gr.skip()
+    try:
+        prompt = service.check_prompt(prompt)
+        modes = service.check_modes(modes)
+        base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed)
+        if bundle not in service.bundle_names():
+            raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
+    except ValueError as e:
+        gr.Warning(str(e))
+        yield (f"⚠️ {e}", *[no] * 4, state, no, no, no, no, no)
+        return
+    cancel = threading.Event()
+    state.update(bundle=bundle, traces={}, pieces={}, cancel=cancel)
+    yield (f"⏳ loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
+           *_columns(state), state, no, no, no, no, no)
+    try:
+        info = service.bundle_summary(bundle)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        gr.Warning(str(e))
+        yield (f"⚠️ {e}", *[no] * 4, state, no, no, no, no, no)
+        return
+    skip = list(state.get("skip") or []) if use_pruned else []
+    note = f" with D3D layers {skip} skipped" if skip else ""
+    last = 0.0
+    gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel)
+    try:
+        for mode, tr, done in gen:
+            state["traces"][mode] = tr
+            now = time.perf_counter()
+            if done or now - last >= STREAM_EVERY_S:
+                last = now
+                state["pieces"].update(service.pieces(bundle, [tr]))
+                yield (f"▶️ running `{mode}`{note} on {info['description']} …", *_columns(state, None if done else mode),
+                       state, no, no, no, no, no)
+    except ValueError as e:
+        gr.Warning(str(e))
+        yield (f"⚠️ {e}", *_columns(state), state, no, no, no, no, no)
+        return
+    finally:
+        gen.close()
+    state["cancel"] = None
+    ran = [m for m in MODES if m in state["traces"]]
+    stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
+    status = ("⏹ stopped" if stopped else "✅ done") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
+    tl, summ, acc = _plots(state)
+    pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else None)
+    yield (status, *_columns(state), state, tl, summ, acc,
+           gr.update(choices=ran, value=pick), gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=0))
+
+
+def _nrounds(state, mode):
+    tr = state["traces"].get(mode) if mode else None
+    return len(tr.rounds) if tr else 1
+
+
+def stop_race(state):
+    ev = (state or {}).get("cancel")
+    if ev is not None:
+        ev.set()
+    return "⏹ stopping after the current round…"
+
+
+def replay_race(state):
+    """Replay every mode's run side by side on its own real clock (the race, made visible)."""
+    trs = _traces(state or {})
+    if not trs:
+        yield ("Run a race first, then replay it.", *[gr.skip()] * 4)
+        return
+    end = max((s.t_end for t in trs for s in t.spans), default=0.0)
+    tpt = _ar_tpt(state)
+    t0 = time.perf_counter()
+    while True:
+        t_ms = (time.perf_counter() - t0) * 1e3
+        cols = [column_html(state["traces"].get(m), state["pieces"], m, t_ms=min(t_ms, end), ar_time_per_token=tpt)
+                for m in MODES]
+        yield (f"🔁 replay at real speed: {min(t_ms, end) / 1e3:.1f} s / {end / 1e3:.1f} s", *cols)
+        if t_ms >= end:
+            break
+        time.sleep(0.1)
+    yield ("🔁 replay finished", *_columns(state))
+
+
+def show_rounds(mode, idx, state):
+    return _rounds_view(state or empty_state(), mode, idx)
+
+
+def step_round(mode, idx, delta, state):
+    n = _nrounds(state or empty_state(), mode)
+    idx = int(min(max(0, (idx or 0) + delta), max(0, n - 1)))
+    return (gr.update(value=idx), *_rounds_view(state, mode, idx))
+
+
+def layer_choices(bundle):
+    info = service.bundle_summary(bundle)
+    return [f"L{i} (from target layer {src})" for i, src in enumerate(info["d3d_init_layers"])]
+
+
+def load_pruning(bundle, state):
+    state = dict(state or empty_state())
+    try:
+        choices = layer_choices(bundle)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return gr.skip(), f"⚠️ {e}", gr.skip(), gr.skip(), state
+    curve = service.pruning_curve(bundle)
+    state["skip"] = []
+    return (gr.update(choices=choices, value=choices), "Toggle layers off, then the offline τ is re-measured.",
+            figures.pruning_curve_figure(curve), figures.marginal_cost_figure(curve), state)
+
+
+def measure_pruned(bundle, active, state):
+    state = dict(state or empty_state())
+    try:
+        choices = layer_choices(bundle)
+        keep = {int(str(a).split(" ")[0][1:]) for a in (active or [])}
+        skip = [i for i in range(len(choices)) if i not in keep]
+        if len(skip) == len(choices):
+            raise ValueError("keep at least one drafter layer")
+        t0 = time.perf_counter()
+        tau, full = service.offline_tau_live(bundle, skip)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        gr.Warning(str(e))
+        return f"⚠️ {e}", gr.skip(), state
+    state["skip"] = skip
+    curve = service.pruning_curve(bundle)
+    msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
+           f"({tau / full:.1%} of the full drafter's {full:.3f}) · measured in {time.perf_counter() - t0:.1f} s "
+           f"on {service.calibration_size(bundle)} calibration anchors. Tick *use the pruned drafter* in the Race tab to race it.")
+    return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
+
+
+def download_traces(state):
+    trs = _traces(state or {})
+    if not trs:
+        raise gr.Error("Nothing to download yet: run a race first.")
+    d = tempfile.mkdtemp(prefix="d3d-traces-")
+    path = os.path.join(d, f"d3d-traces-{int(time.time())}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(service.traces_json(trs))
+    return path
+
+
+def upload_traces(file, state):
+    state = dict(state or empty_state())
+    no = gr.skip()
+    if file is None:
+        return "Choose a trace JSON file to view.", no, no, no, no, state, no
+    path = file if isinstance(file, str) else getattr(file, "name", None)
+    try:
+        if not path or not os.path.isfile(path):
+            raise ValueError("the uploaded file could not be read")
+        size = os.path.getsize(path)
+        if size > 20_000_000:
+            raise ValueError(f"file is too large ({size:,} bytes, limit 20,000,000)")
+        with open(path, "rb") as f:
+            trs = service.read_traces(f.read())
+        bundle = trs[0].bundle
+        state["traces"] = {t.mode: t for t in trs}
+        try:
+            state["pieces"] = service.pieces(bundle, trs)
+        except ValueError:  # a bundle this server doesn't have: show ids
+            state["pieces"] = {}
+    except ValueError as e:
+        return f"⚠️ could not read that trace: {e}", no, no, no, no, state, no
+    tl, summ, acc = _plots(state)
+    ran = [m for m in MODES if m in state["traces"]]
+    return (f"✅ loaded {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)} — see the Race, Rounds, Timeline and Acceptance tabs.",
+            tl, summ, acc, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=0))
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def build_demo() -> gr.Blocks:
+    lim = service.APP_LIMITS
+    with gr.Blocks(title="D3D Studio") as demo:
+        state = gr.State(empty_state())
+        gr.Markdown(
+            "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
+            "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
+            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 they all print the same tokens — "
+            "what differs is how many target forwards and how much waiting it takes."
+        )
+        status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
+        with gr.Tabs():
+            with gr.Tab("Race", id="race"):
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
+                        gr.Examples(EXAMPLES, inputs=[prompt], label="Examples: math · code · chat")
+                    with gr.Column(scale=2):
+                        bundle = gr.Dropdown(service.bundle_names(), value=service.DEFAULT_BUNDLE, label="Bundle (target + drafters)")
+                        modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
+                        with gr.Row():
+                            block = gr.Slider(lim["block_min"], lim["block_max"], value=8, step=1, label="Block size B")
+                            hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)")
+                        with gr.Row():
+                            max_new = gr.Slider(8, lim["max_new_max"], value=96, step=8, label="Max new tokens")
+                            temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature")
+                        with gr.Row():
+                            sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
+                            seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
+                        use_pruned = gr.Checkbox(value=False, label="use the pruned D3D drafter (Pruning tab)")
+                with gr.Row():
+                    run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
+                    stop_btn = gr.Button("⏹ Stop", variant="stop", elem_id="stop")
+                    replay_btn = gr.Button("🔁 Replay side by side (real time)", elem_id="replay")
+                gr.HTML(legend_html())
+                with gr.Row(equal_height=False):
+                    cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]
+            with gr.Tab("Rounds", id="rounds"):
+                gr.Markdown("One row per round, one column per block position. Hover a cell for the drafter's probability and the target's token. Step through the decode round by round.")
+                with gr.Row():
+                    r_mode = gr.Radio(list(MODES), value="d3d-async", label="Mode")
+                    r_idx = gr.Slider(0, 1, value=0, step=1, label="Show rounds up to")
+                with gr.Row():
+                    prev_btn = gr.Button("◀ previous round")
+                    next_btn = gr.Button("next round ▶")
+                r_caption = gr.Markdown()
+                r_grid = gr.Plot(figures.rounds_grid_figure(None, {}), label="Rounds")
+                r_hyps = gr.Dataframe(figures.hypotheses_table(None, 0, {}), label="Hypotheses drafted during this round's verify (d3d-async)", interactive=False)
+            with gr.Tab("Timeline", id="timeline"):
+                tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
+                tl_summary = gr.Dataframe(figures.timeline_summary([]), label="Overlap and idle time", interactive=False)
+            with gr.Tab("Acceptance", id="acceptance"):
+                acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
+                sweep_plot = gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE)), label="Speedup vs block size")
+            with gr.Tab("Pruning", id="pruning"):
+                gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live on a small calibration set; the curve shows the precomputed greedy progression.")
+                p_layers = gr.CheckboxGroup([], label="Active D3D drafter layers")
+                p_msg = gr.Markdown()
+                with gr.Row():
+                    p_curve = gr.Plot(figures.pruning_curve_figure(None), label="Pruning curve")
+                    p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
+                p_load = gr.Button("Reload layers and curve")
+            with gr.Tab("How it works", id="explain"):
+                gr.Markdown(explain.INTRO)
+                gr.Plot(figures.diagram_ar(), label="AR")
+                gr.Markdown(explain.DRAFT_VERIFY)
+                gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
+                gr.Markdown(explain.DFLASH)
+                gr.Plot(figures.diagram_dflash(), label="DFlash")
+                gr.Markdown(explain.D3D)
+                gr.Plot(figures.diagram_d3d_async(), label="D3D async")
+                gr.Markdown(explain.MISS)
+                gr.Markdown(explain.PRUNING)
+                gr.Plot(figures.diagram_pruning(), label="Pruning")
+                gr.Markdown(explain.GLOSSARY)
+            with gr.Tab("Traces", id="traces"):
+                gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
+                dl_btn = gr.Button("Prepare download")
+                dl_file = gr.File(label="Traces JSON", interactive=False)
+                up_file = gr.File(label="Upload a trace JSON", file_types=[".json"], type="filepath")
+                up_msg = gr.Markdown()
+
+        race_outputs = [status, *cols, state, tl_plot, tl_summary, acc_plot, r_mode, r_idx]
+        run_ev = run_btn.click(
+            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
+            api_name="race", concurrency_limit=1, concurrency_id="decode",
+        )
+        run_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
+        stop_btn.click(stop_race, [state], [status], api_name="stop", queue=False)
+        replay_btn.click(replay_race, [state], [status, *cols], api_name="replay", concurrency_limit=4)
+        r_mode.change(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name="rounds")
+        r_idx.release(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
+        prev_btn.click(lambda m, i, s: step_round(m, i, -1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
+        next_btn.click(lambda m, i, s: step_round(m, i, +1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
+        p_evt = dict(concurrency_limit=1, concurrency_id="decode")
+        p_load.click(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name="pruning_curve")
+        p_layers.input(measure_pruned, [bundle, p_layers, state], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
+        bundle.change(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
+        up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, r_mode, state, r_idx],
+                       api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False)
+        demo.load(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+    demo.queue(max_size=16, default_concurrency_limit=2)
+    return demo

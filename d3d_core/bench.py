@@ -1,0 +1,291 @@
+"""Benchmark command: τ, speed and losslessness of every mode on real prompt sets.
+
+    python -m d3d_core.bench --bundle smollm2-135m --modes ar,dflash,d3d-seq,d3d-async \\
+        --data-dir ../shared/datasets --datasets gsm8k,mt_bench --n 5 \\
+        --max-new-tokens 128 --block-size 8 --temperature 0 --out results.json
+
+Modes run interleaved per prompt (item-major), so machine drift hits all modes alike.
+``speedup`` = AR time per output token / mode time per output token, prefill excluded,
+from the same run. Writes JSON ``{"config", "machine", "rows", "summary"}`` plus CSV and
+Markdown beside it; prints the summary table; a progress bar goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from .config import DecodeConfig
+from .trace import MODES
+
+SUMMARY_COLS = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap", "tokens"]
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def row_of(item, trace, ref_ids: Optional[list]) -> dict:
+    st = trace.stats
+    return {
+        "dataset": item.dataset,
+        "id": item.id,
+        "mode": trace.mode,
+        "n_tokens": st.n_tokens,
+        "rounds": st.n_rounds,
+        "tau": st.tau,
+        "decode_time_s": st.decode_time_s,
+        "prefill_time_s": st.prefill_time_s,
+        "tokens_per_s": st.tokens_per_s,
+        "target_forwards": st.target_forwards,
+        "hit_rate": st.hit_rate,
+        "overlap": st.overlap,
+        "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
+        "accepted_hist": _hist([r.accepted for r in trace.rounds]),
+    }
+
+
+def _hist(xs: list) -> dict:
+    h: dict = {}
+    for x in xs:
+        h[str(x)] = h.get(str(x), 0) + 1
+    return h
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list, datasets: list, modes: list) -> list:
+    """Per dataset x mode, plus an 'average' row per mode over datasets."""
+    out = []
+
+    def one(rs, dataset, mode, ar_rs):
+        if not rs:
+            return None
+        toks = sum(max(r["n_tokens"] - 1, 0) for r in rs)
+        t = sum(r["decode_time_s"] for r in rs)
+        tpt = t / toks if toks else None
+        speed = None
+        if ar_rs:
+            ar_toks = sum(max(r["n_tokens"] - 1, 0) for r in ar_rs)
+            ar_t = sum(r["decode_time_s"] for r in ar_rs)
+            if ar_toks and tpt:
+                speed = (ar_t / ar_toks) / tpt
+        rounds = sum(r["rounds"] for r in rs)
+        acc_tokens = sum(r["tau"] * r["rounds"] for r in rs)
+        lossless = [r["lossless"] for r in rs if r["lossless"] is not None]
+        return {
+            "dataset": dataset,
+            "mode": mode,
+            "n": len(rs),
+            "tau": acc_tokens / rounds if rounds else 0.0,
+            "tokens_per_s": toks / t if t else 0.0,
+            "speedup": speed,
+            "lossless_rate": (sum(lossless) / len(lossless)) if lossless else None,
+            "hit_rate": _mean([r["hit_rate"] for r in rs]),
+            "overlap": _mean([r["overlap"] for r in rs]),
+            "tokens": toks + len(rs),
+        }
+
+    for ds in datasets:
+        ar_rs = [r for r in rows if r["dataset"] == ds and r["mode"] == "ar"]
+        for m in modes:
+            s = one([r for r in rows if r["dataset"] == ds and r["mode"] == m], ds, m, ar_rs)
+            if s:
+                out.append(s)
+    if len(datasets) > 1:
+        for m in modes:
+            per = [s for s in out if s["mode"] == m and s["dataset"] in datasets]
+            if not per:
+                continue
+            avg = {"dataset": "average", "mode": m, "n": sum(s["n"] for s in per), "tokens": sum(s["tokens"] for s in per)}
+            for k in ("tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"):
+                avg[k] = _mean([s[k] for s in per])
+            out.append(avg)
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def table_text(summary: list, cols=SUMMARY_COLS) -> str:
+    cells = [[_fmt(s.get(c)) for c in cols] for s in summary]
+    w = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w[i]) for i, c in enumerate(cols))
+    body = ["  ".join(r[i].ljust(w[i]) for i in range(len(cols))) for r in cells]
+    return "\n".join([line, "  ".join("-" * x for x in w), *body])
+
+
+def table_markdown(summary: list, cols=SUMMARY_COLS) -> str:
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "\n".join("| " + " | ".join(_fmt(s.get(c)) for c in cols) + " |" for s in summary) + "\n"
+
+
+def write_outputs(out: Path, result: dict) -> list:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    written = [out]
+    stem = out.with_suffix("")
+    with open(f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SUMMARY_COLS, extrasaction="ignore")
+        w.writeheader()
+        for s in result["summary"]:
+            w.writerow(s)
+    written.append(Path(f"{stem}.csv"))
+    Path(f"{stem}.md").write_text(table_markdown(result["summary"]))
+    written.append(Path(f"{stem}.md"))
+    return written
+
+
+def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None) -> list:
+    """Decode every item with every mode (item-major). Returns per-(item, mode) rows."""
+    from tqdm import tqdm
+
+    from .engine import decode
+
+    drafters = drafters or {}
+    # warm-up (untimed): first calls pay allocator / kernel selection costs
+    for m in modes:
+        decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
+    rows = []
+    bar = tqdm(total=len(items) * len(modes), desc="bench", file=sys.stderr, disable=not progress)
+    for it in items:
+        ids = bundle.tokenizer.encode_messages(it.messages)
+        ref = None
+        order = (["ar"] if "ar" in modes else []) + [m for m in modes if m != "ar"]
+        for m in order:
+            tr = decode(bundle, ids, base.with_(mode=m), drafter=drafters.get(m))
+            if m == "ar":
+                ref = tr.output_ids
+            lossless_ref = ref if (base.temperature == 0 and ref is not None and m != "ar") else (tr.output_ids if m == "ar" and base.temperature == 0 else None)
+            rows.append(row_of(it, tr, lossless_ref))
+            bar.set_postfix(mode=m, tau=f"{tr.stats.tau:.2f}")
+            bar.update(1)
+    bar.close()
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m d3d_core.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", default="smollm2-135m")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    p.add_argument("--data-dir", default=None, help="directory in the layout of shared/datasets (or $D3D_DATA_DIR)")
+    p.add_argument("--datasets", default="gsm8k,mt_bench", help="comma list or 'all'")
+    p.add_argument("--n", type=int, default=5, help="prompts per dataset")
+    p.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
+    for f in ("max_new_tokens", "block_size", "hypotheses", "threads"):
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(DecodeConfig(), f))
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling", default="match", choices=["match", "rejection"])
+    p.add_argument("--d3d-drafter", default=None, help="path of a D3D drafter (config.json + model.safetensors)")
+    p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
+    p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H)")
+    p.add_argument("--out", default="results/bench.json")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .bundles import get_bundle
+    from .datasets import load_benchmark, parse_datasets
+
+    try:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+        datasets = parse_datasets(args.datasets)
+        base = DecodeConfig(
+            mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            hypotheses=args.hypotheses, sampling=args.sampling, seed=args.seed, threads=args.threads,
+        ).validated()
+        items_by_ds = {ds: load_benchmark(ds, args.n, args.seed, args.data_dir) for ds in datasets}
+        bundle = get_bundle(args.bundle, args.device)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    drafters = load_override_drafters(bundle, args)
+    t0 = time.time()
+    rows = []
+    for ds in datasets:
+        rows += run_bench(bundle, items_by_ds[ds], modes, base, progress=not args.no_progress, drafters=drafters)
+    summary = summarize(rows, datasets, modes)
+    result = {
+        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info},
+        "machine": machine_info(),
+        "wall_time_s": time.time() - t0,
+        "rows": rows,
+        "summary": summary,
+    }
+    if args.cost_probe:
+        from .costs import probe_costs
+
+        result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
+    written = write_outputs(Path(args.out), result)
+    print(table_text(summary))
+    if args.cost_probe:
+        from .costs import costs_text
+
+        print()
+        print(costs_text(result["costs"]))
+    print(f"\nwrote {', '.join(str(w) for w in written)} ({result['wall_time_s']:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def load_override_drafters(bundle, args) -> dict:
+    """Drafters given by path / pruning flags, keyed by the modes that use them."""
+    from .drafters import load_drafter
+
+    out = {}
+    d3d = bundle.drafter("d3d")
+    if args.d3d_drafter:
+        d3d = load_drafter(args.d3d_drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+    if args.skip_layers:
+        d3d = d3d.pruned([int(x) for x in args.skip_layers.split(",")])
+    if d3d is not bundle.drafter("d3d"):
+        out["d3d-seq"] = out["d3d-async"] = d3d
+    if args.dflash_drafter:
+        out["dflash"] = load_drafter(args.dflash_drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

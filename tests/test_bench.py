@@ -1,0 +1,81 @@
+"""The bench command: its JSON contract, table writers and dataset loaders."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from d3d_core import bench
+from d3d_core.datasets import BENCHMARKS, load_benchmark, load_training_prompts
+
+FIX = Path(__file__).parent / "fixtures" / "datasets"
+
+
+def test_bench_command_on_toy(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = bench.main([
+        "--bundle", "toy", "--modes", "ar,dflash,d3d-seq,d3d-async", "--data-dir", str(FIX),
+        "--datasets", "gsm8k,mt_bench", "--n", "2", "--max-new-tokens", "24", "--block-size", "4",
+        "--temperature", "0", "--out", str(out), "--no-progress",
+    ])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res) >= {"config", "machine", "rows", "summary"}
+    assert len(res["rows"]) == 2 * 2 * 4
+    need = {"mode", "dataset", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"}
+    for s in res["summary"]:
+        assert need <= set(s)
+        if s["mode"] != "ar":
+            assert s["lossless_rate"] == 1.0
+    ar = [s for s in res["summary"] if s["mode"] == "ar" and s["dataset"] == "gsm8k"][0]
+    assert abs(ar["speedup"] - 1.0) < 1e-9
+    assert {s["dataset"] for s in res["summary"]} == {"gsm8k", "mt_bench", "average"}
+    with open(tmp_path / "r.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(res["summary"])
+    assert (tmp_path / "r.md").read_text().startswith("| dataset | mode |")
+    printed = capsys.readouterr().out
+    assert "d3d-async" in printed and "speedup" in printed
+
+
+def test_bench_bad_arguments(tmp_path, capsys):
+    assert bench.main(["--bundle", "toy", "--modes", "ar,warp", "--data-dir", str(FIX), "--out", str(tmp_path / "x.json")]) == 2
+    assert "unknown mode" in capsys.readouterr().err
+    assert bench.main(["--bundle", "toy", "--datasets", "gsm8k", "--data-dir", str(tmp_path), "--out", str(tmp_path / "x.json")]) == 2
+    assert "gsm8k/test.jsonl" in capsys.readouterr().err
+
+
+def test_summary_speedup_is_time_per_token_ratio():
+    rows = [
+        dict(dataset="d", mode="ar", n_tokens=11, rounds=10, tau=1.0, decode_time_s=2.0, hit_rate=None, overlap=None, lossless=True),
+        dict(dataset="d", mode="d3d-seq", n_tokens=11, rounds=4, tau=2.5, decode_time_s=1.0, hit_rate=None, overlap=0.0, lossless=True),
+    ]
+    s = {r["mode"]: r for r in bench.summarize(rows, ["d"], ["ar", "d3d-seq"])}
+    assert s["d3d-seq"]["speedup"] == pytest.approx(2.0)
+    assert s["d3d-seq"]["tokens_per_s"] == pytest.approx(10.0)
+    assert s["d3d-seq"]["tau"] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_loads_from_fixture(name):
+    items = load_benchmark(name, n=2, seed=0, root=str(FIX))
+    assert 1 <= len(items) <= 2
+    for it in items:
+        assert it.messages[-1]["role"] == "user" and it.text.strip()
+    if name in ("gsm8k", "math500", "aime25"):
+        assert "\\boxed{}" in items[0].text
+    if name == "mbpp":  # train (601-974) and validation (511-600) ids are never benchmark items
+        assert all(int(i.id) not in range(511, 975) for i in load_benchmark(name, root=str(FIX)))
+
+
+def test_selection_is_deterministic():
+    a = [i.id for i in load_benchmark("gsm8k", n=3, seed=1, root=str(FIX))]
+    b = [i.id for i in load_benchmark("gsm8k", n=3, seed=1, root=str(FIX))]
+    assert a == b
+
+
+def test_training_prompts_exclude_benchmark_files():
+    items = load_training_prompts(str(FIX))
+    kinds = {i.dataset for i in items}
+    assert kinds == {"gsm8k-train", "mbpp-train", "alpaca"}
+    assert sorted(i.id for i in items if i.dataset == "mbpp-train") == ["610", "611"]

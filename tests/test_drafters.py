@@ -1,0 +1,57 @@
+"""Drafter building blocks: save/load, initialisation, pruning switches."""
+
+import torch
+
+from d3d_core.bundles import BUNDLES, init_drafter
+from d3d_core.drafters import evenly_spaced, load_drafter
+
+
+def test_evenly_spaced_matches_dflash_choice():
+    assert evenly_spaced(5, 1, 27) == (1, 8, 14, 20, 27)  # SmolLM2: 30 layers, 1 .. L-3 (round half to even)
+    assert evenly_spaced(1, 0, 9) == (4,)
+    assert evenly_spaced(0, 0, 9) == ()
+
+
+def test_save_load_round_trip_gives_identical_logits(tmp_path, toy):
+    for kind in ("d3d", "dflash"):
+        d = init_drafter(kind, toy.target, BUNDLES["toy"], seed=3)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+            # fp16 storage: compare against the fp16-rounded weights
+            for p in d.parameters():
+                p.copy_(p.half().float())
+        d.save(tmp_path / kind)
+        back = load_drafter(tmp_path / kind, toy.target.shared, toy.target.arch)
+        assert back.cfg == d.cfg
+        x = torch.randn(1, 5, toy.target.arch.hidden_size)
+        assert torch.equal(d.logits(x), back.logits(x))
+        for (n1, p1), (n2, p2) in zip(d.state_dict().items(), back.state_dict().items()):
+            assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_drafter_initialised_from_target_layers(toy):
+    d = toy.drafter("d3d")
+    for i, src in enumerate(d.cfg.init_layers):
+        a = d.layers[i].self_attn.q_proj.weight
+        b = toy.target.layers[src].self_attn.q_proj.weight
+        assert torch.equal(a, b)
+
+
+def test_skip_layers_passes_residual_through(toy):
+    d = toy.drafter("d3d")
+    p = d.pruned(list(range(d.cfg.num_layers)))  # every layer skipped: blocks see only embeddings
+    assert p.active_layers() == [] and d.active_layers() == list(range(d.cfg.num_layers))
+    assert p.layers[0] is d.layers[0]  # pruning shares weights
+    cache = p.new_cache()
+    ctx = torch.tensor([5, 6, 7])
+    _, hb, _ = p.forward_packed(cache, ctx, [(9, 3)], 4)
+    emb = toy.target.shared.embed_tokens
+    assert torch.allclose(hb[0, 0], emb(torch.tensor(9)))
+    assert torch.allclose(hb[0, 1], d.mask_embedding)
+
+
+def test_qwen3_drafter_has_qk_norm(toy_qwen3):
+    d = toy_qwen3.drafter("d3d")
+    assert d.layers[0].self_attn.q_norm is not None
+    assert toy_qwen3.target.arch.qk_norm
