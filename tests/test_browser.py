@@ -1,0 +1,88 @@
+"""A real headless browser (Debian chromium via playwright) loads the page, runs a short race
+on the real bundle, opens every tab and checks that the plots rendered. Screenshots go to
+$D3D_SCREENSHOTS (default: tests/screenshots, git-ignored)."""
+
+import os
+import runpy
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+@pytest.fixture(scope="module")
+def server():
+    demo = runpy.run_path(str(ROOT / "app.py"), run_name="d3d_app")["demo"]
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=False)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def page():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian chromium is not installed (scripts/setup_venv.sh --dev installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        pg = browser.new_page(viewport={"width": 1500, "height": 1000})
+        yield pg
+        browser.close()
+
+
+def _shot(page, name):
+    d = Path(os.environ.get("D3D_SCREENSHOTS", ROOT / "tests" / "screenshots"))
+    d.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(d / f"{name}.png"), full_page=True)
+
+
+def _set_slider(page, label, value):
+    box = page.get_by_label(f"number input for {label}")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def test_race_and_every_tab(server, page):
+    page.goto(server, wait_until="networkidle")
+    page.get_by_text("D3D Studio", exact=False).first.wait_for()
+    _set_slider(page, "Max new tokens", 24)
+    page.locator("#prompt textarea").fill("What is 12 times 7? Answer briefly.")
+    page.locator("#run").click()
+    page.locator("#status").get_by_text("done", exact=False).wait_for(timeout=240_000)
+    for m in ("ar", "dflash", "d3d-seq", "d3d-async"):
+        col = page.locator(f"#col-{m}")
+        assert "done: 24 tokens" in col.inner_text()
+    assert page.locator(".tok.bonus").count() > 0
+    _shot(page, "1-race")
+    for tab, name in (("Rounds", "2-rounds"), ("Timeline", "3-timeline"), ("Acceptance", "4-acceptance"),
+                      ("Pruning", "5-pruning"), ("How it works", "6-explain")):
+        page.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(1500)
+        n = page.locator(".js-plotly-plot:visible").count()
+        assert n >= 1, f"no plot rendered on the {tab} tab"
+        if tab == "Timeline":
+            assert page.locator(".js-plotly-plot:visible .barlayer .point").count() > 10
+        if tab == "Rounds":
+            assert page.locator(".js-plotly-plot:visible .heatmaplayer, .js-plotly-plot:visible image").count() >= 1
+        _shot(page, name)
+    page.get_by_role("tab", name="Traces").click()
+    page.get_by_role("button", name="Prepare download").click()
+    page.get_by_text(".json", exact=False).first.wait_for(timeout=20_000)
+    _shot(page, "7-traces")

@@ -1,0 +1,128 @@
+"""Every figure builder is a pure function of stored traces (no browser, no model)."""
+
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from app import figures
+from app.tokens import column_html, legend_html
+from d3d_core.trace import traces_from_json
+
+FIX = Path(__file__).parent / "fixtures" / "toy_traces.json"
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return traces_from_json(FIX.read_text())
+
+
+@pytest.fixture(scope="module")
+def pieces(traces):
+    from d3d_core.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    return {i: s for i, s in enumerate(tok.itos)}
+
+
+def test_timeline_has_bars_with_base_for_every_span(traces):
+    fig = figures.timeline_figure(traces)
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert sum(len(b.x) for b in bars) == sum(len(t.spans) for t in traces)
+    for b in bars:
+        assert b.orientation == "h" and b.base is not None
+    names = {b.name for b in bars}
+    assert {"verify (target)", "packed draft (during verify)", "prefill"} <= names
+    marks = [t for t in fig.data if isinstance(t, go.Scatter)]
+    async_tr = [t for t in traces if t.mode == "d3d-async"][0]
+    assert sum(len(m.x) for m in marks) == len(async_tr.rounds)  # one ✓ or ✗ per round
+    assert fig.layout.xaxis.type != "date"
+    lanes = set(fig.layout.yaxis.categoryarray)
+    assert "ar · target" in lanes and "ar · drafter" not in lanes and "d3d-async · drafter" in lanes
+
+
+def test_timeline_summary(traces):
+    df = figures.timeline_summary(traces)
+    assert isinstance(df, pd.DataFrame) and list(df["mode"]) == ["ar", "dflash", "d3d-seq", "d3d-async"]
+    row = df[df["mode"] == "d3d-async"].iloc[0]
+    assert row["overlap share"].endswith("%")
+
+
+def test_acceptance_histogram(traces):
+    fig = figures.acceptance_figure(traces)
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert len(bars) == 3  # ar is never drafted
+    for b, t in zip(bars, traces[1:]):
+        assert abs(sum(b.y) - 1.0) < 1e-9
+        assert f"{t.stats.tau:.2f}" in b.name
+    assert len(fig.layout.shapes) == 3  # τ lines
+
+
+def test_rounds_grid_states(traces, pieces):
+    tr = traces[3]
+    fig = figures.rounds_grid_figure(tr, pieces)
+    hm = fig.data[0]
+    assert len(hm.z) == len(tr.rounds)
+    B = 4
+    for r, row in zip(tr.rounds, hm.z):
+        assert len(row) == B + 1
+        assert row[0] == figures.STATE_ANCHOR and row[-1] == figures.STATE_BONUS
+        assert list(row[1 : 1 + r.accepted]) == [figures.STATE_ACCEPTED] * r.accepted
+        if r.accepted < B - 1:
+            assert row[1 + r.accepted] == figures.STATE_MISMATCH
+    part = figures.rounds_grid_figure(tr, pieces, upto=2)
+    assert len(part.data[0].z) == 3
+
+
+def test_hypotheses_table(traces, pieces):
+    tr = traces[3]
+    df = figures.hypotheses_table(tr, 0, pieces)
+    assert len(df) == len(tr.rounds[0].hypotheses) == 8
+    assert figures.hypotheses_table(traces[1], 0, pieces).empty
+
+
+def test_pruning_figures():
+    curve = {"layers": 3, "order": [2, 0], "curve": [
+        {"removed": 0, "kept": [0, 1, 2], "tau": 3.0, "tau_rel": 1.0},
+        {"removed": 1, "kept": [0, 1], "tau": 2.98, "tau_rel": 0.993},
+        {"removed": 2, "kept": [1], "tau": 2.0, "tau_rel": 0.667}],
+        "marginal_cost": {"0": 0.5, "1": 1.0, "2": 0.02}}
+    f = figures.pruning_curve_figure(curve, live=(1, 2.9))
+    assert list(f.data[0].y) == [3.0, 2.98, 2.0] and f.data[1].name == "your selection"
+    m = figures.marginal_cost_figure(curve)
+    assert list(m.data[0].x) == ["L0", "L1", "L2"]
+    assert figures.pruning_curve_figure(None).layout.annotations  # a message instead of an empty plot
+
+
+def test_empty_figures_say_what_to_do():
+    for f in (figures.timeline_figure([]), figures.acceptance_figure([]), figures.rounds_grid_figure(None, {}),
+              figures.speedup_vs_block_figure(None)):
+        assert f.layout.annotations and len(f.data) == 0
+
+
+def test_diagrams_render():
+    for f in (figures.diagram_ar(), figures.diagram_draft_verify(), figures.diagram_dflash(), figures.diagram_d3d_async(), figures.diagram_pruning()):
+        assert f.layout.shapes
+
+
+def test_column_html_states_and_labels(traces, pieces):
+    tr = traces[3]
+    h = column_html(tr, pieces, ar_time_per_token=1 / traces[0].stats.tokens_per_s)
+    n_acc = sum(min(r.accepted, len(r.committed)) for r in tr.rounds)
+    assert h.count('class="tok acc"') == n_acc
+    assert h.count('class="tok rej"') == sum(1 for r in tr.rounds if r.accepted < len(r.draft_ids))
+    assert "τ <b>1.44</b>" in h and "speedup" in h and "done:" in h
+    assert 'title="' in h  # every token carries a text label
+    legend = legend_html()
+    for word in ("accepted", "bonus", "rejected", "pending"):
+        assert word in legend
+
+
+def test_column_html_replay_shows_pending(traces, pieces):
+    tr = traces[2]
+    v = [s for s in tr.spans if s.kind == "verify"][3]
+    h = column_html(tr, pieces, t_ms=(v.t_start + v.t_end) / 2)
+    assert 'class="tok pend"' in h
+    before = column_html(tr, pieces, t_ms=0.0)
+    assert 'class="tok' not in before.split("</style>")[1].replace('class="tok pend"', "")
