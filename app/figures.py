@@ -228,7 +228,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     fig.update_layout(
         title=f"{trace.mode}: rounds (✓ / ✗ = a hypothesis hit / missed)" if trace.mode == "d3d-async" else f"{trace.mode}: rounds",
         yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
-        legend=dict(orientation="h", y=-0.05), height=min(2400, 120 + 26 * len(rounds)), **LAYOUT,
+        legend=dict(orientation="h", y=-0.05), height=min(2400, max(320, 140 + 26 * len(rounds))), **LAYOUT,
     )
     return fig
 
@@ -241,7 +241,7 @@ def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.Dat
     r = trace.rounds[index]
     rows = [{
         cols[0]: h.accepted, cols[1]: pieces.get(h.token, str(h.token)), cols[2]: round(h.score, 4),
-        cols[3]: "".join(pieces.get(t, "?") for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "",
+        cols[3]: " · ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "",
     } for h in r.hypotheses]
     return pd.DataFrame(rows, columns=cols)
 
@@ -340,6 +340,6 @@ def diagram_pruning() -> go.Figure:
                            font=dict(color=GREY if skipped else "white"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
-    fig.update_layout(title="Pruning drafter layers", height=170, xaxis=dict(visible=False, range=[-0.2, n]),
+    fig.update_layout(title="Pruning drafter layers", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)
     return fig

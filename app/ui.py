@@ -91,17 +91,17 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
     except ValueError as e:
         gr.Warning(str(e))
-        yield (f"⚠️ {e}", *[no] * 4, state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *[no] * 4, state, no, no, no, no, no)
         return
     cancel = threading.Event()
     state.update(bundle=bundle, traces={}, pieces={}, cancel=cancel)
-    yield (f"⏳ loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
+    yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
            *_columns(state), state, no, no, no, no, no)
     try:
         info = service.bundle_summary(bundle)
     except (FileNotFoundError, ValueError, OSError) as e:
         gr.Warning(str(e))
-        yield (f"⚠️ {e}", *[no] * 4, state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *[no] * 4, state, no, no, no, no, no)
         return
     skip = list(state.get("skip") or []) if use_pruned else []
     note = f" with D3D layers {skip} skipped" if skip else ""
@@ -114,22 +114,22 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             if done or now - last >= STREAM_EVERY_S:
                 last = now
                 state["pieces"].update(service.pieces(bundle, [tr]))
-                yield (f"▶️ running `{mode}`{note} on {info['description']} …", *_columns(state, None if done else mode),
+                yield (f"Running `{mode}`{note} on {info['description']} …", *_columns(state, None if done else mode),
                        state, no, no, no, no, no)
     except ValueError as e:
         gr.Warning(str(e))
-        yield (f"⚠️ {e}", *_columns(state), state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *_columns(state), state, no, no, no, no, no)
         return
     finally:
         gen.close()
     state["cancel"] = None
     ran = [m for m in MODES if m in state["traces"]]
     stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
-    status = ("⏹ stopped" if stopped else "✅ done") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
+    status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
     tl, summ, acc = _plots(state)
     pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else None)
     yield (status, *_columns(state), state, tl, summ, acc,
-           gr.update(choices=ran, value=pick), gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=0))
+           gr.update(choices=ran, value=pick), gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)))
 
 
 def _nrounds(state, mode):
@@ -141,7 +141,7 @@ def stop_race(state):
     ev = (state or {}).get("cancel")
     if ev is not None:
         ev.set()
-    return "⏹ stopping after the current round…"
+    return "Stopping after the current round…"
 
 
 def replay_race(state):
@@ -157,11 +157,11 @@ def replay_race(state):
         t_ms = (time.perf_counter() - t0) * 1e3
         cols = [column_html(state["traces"].get(m), state["pieces"], m, t_ms=min(t_ms, end), ar_time_per_token=tpt)
                 for m in MODES]
-        yield (f"🔁 replay at real speed: {min(t_ms, end) / 1e3:.1f} s / {end / 1e3:.1f} s", *cols)
+        yield (f"Replay at real speed: {min(t_ms, end) / 1e3:.1f} s / {end / 1e3:.1f} s", *cols)
         if t_ms >= end:
             break
         time.sleep(0.1)
-    yield ("🔁 replay finished", *_columns(state))
+    yield ("Replay finished", *_columns(state))
 
 
 def show_rounds(mode, idx, state):
@@ -184,7 +184,7 @@ def load_pruning(bundle, state):
     try:
         choices = layer_choices(bundle)
     except (ValueError, FileNotFoundError, OSError) as e:
-        return gr.skip(), f"⚠️ {e}", gr.skip(), gr.skip(), state
+        return gr.skip(), f"**Error:** {e}", gr.skip(), gr.skip(), state
     curve = service.pruning_curve(bundle)
     state["skip"] = []
     return (gr.update(choices=choices, value=choices), "Toggle layers off, then the offline τ is re-measured.",
@@ -203,7 +203,7 @@ def measure_pruned(bundle, active, state):
         tau, full = service.offline_tau_live(bundle, skip)
     except (ValueError, FileNotFoundError, OSError) as e:
         gr.Warning(str(e))
-        return f"⚠️ {e}", gr.skip(), state
+        return f"**Error:** {e}", gr.skip(), state
     state["skip"] = skip
     curve = service.pruning_curve(bundle)
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
@@ -244,11 +244,11 @@ def upload_traces(file, state):
         except ValueError:  # a bundle this server doesn't have: show ids
             state["pieces"] = {}
     except ValueError as e:
-        return f"⚠️ could not read that trace: {e}", no, no, no, no, state, no
+        return f"**Could not read that trace:** {e}", no, no, no, no, state, no
     tl, summ, acc = _plots(state)
     ran = [m for m in MODES if m in state["traces"]]
-    return (f"✅ loaded {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)} — see the Race, Rounds, Timeline and Acceptance tabs.",
-            tl, summ, acc, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=0))
+    return (f"**Loaded** {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)} — see the Race, Rounds, Timeline and Acceptance tabs.",
+            tl, summ, acc, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
 # ----------------------------------------------------------------------------- layout
@@ -286,8 +286,8 @@ def build_demo() -> gr.Blocks:
                         use_pruned = gr.Checkbox(value=False, label="use the pruned D3D drafter (Pruning tab)")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
-                    stop_btn = gr.Button("⏹ Stop", variant="stop", elem_id="stop")
-                    replay_btn = gr.Button("🔁 Replay side by side (real time)", elem_id="replay")
+                    stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
+                    replay_btn = gr.Button("↻ Replay side by side (real time)", elem_id="replay")
                 gr.HTML(legend_html())
                 with gr.Row(equal_height=False):
                     cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]

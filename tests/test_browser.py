@@ -3,6 +3,7 @@ on the real bundle, opens every tab and checks that the plots rendered. Screensh
 $D3D_SCREENSHOTS (default: tests/screenshots, git-ignored)."""
 
 import os
+import re
 import runpy
 import socket
 from pathlib import Path
@@ -60,15 +61,19 @@ def _set_slider(page, label, value):
 
 
 def test_race_and_every_tab(server, page):
-    page.goto(server, wait_until="networkidle")
+    page.goto(server, wait_until="domcontentloaded")
     page.get_by_text("D3D Studio", exact=False).first.wait_for()
     _set_slider(page, "Max new tokens", 24)
-    page.locator("#prompt textarea").fill("What is 12 times 7? Answer briefly.")
+    page.locator("#prompt textarea").fill("Write a short story about a robot who learns to paint.")
     page.locator("#run").click()
-    page.locator("#status").get_by_text("done", exact=False).wait_for(timeout=240_000)
+    page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
+    counts = set()
     for m in ("ar", "dflash", "d3d-seq", "d3d-async"):
-        col = page.locator(f"#col-{m}")
-        assert "done: 24 tokens" in col.inner_text()
+        text = page.locator(f"#col-{m}").inner_text()
+        found = re.search(r"done: (\d+) tokens", text)
+        assert found, text
+        counts.add(found.group(1))
+    assert len(counts) == 1  # lossless: every mode printed the same number of tokens
     assert page.locator(".tok.bonus").count() > 0
     _shot(page, "1-race")
     for tab, name in (("Rounds", "2-rounds"), ("Timeline", "3-timeline"), ("Acceptance", "4-acceptance"),

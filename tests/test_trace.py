@@ -31,8 +31,19 @@ def test_spans_on_one_lane_never_overlap(traces):
                 assert a.t_end <= b.t_start + 1e-6, (m, lane, a, b)
 
 
-def test_async_drafter_overlaps_verify(traces):
-    tr = traces["d3d-async"]
+def test_async_drafter_overlaps_verify(toy, traces, monkeypatch):
+    """Structure, not speed: with a target slow enough that thread start-up is negligible
+    (as any real target is), every packed draft runs while verify runs."""
+    import time
+
+    real_verify = toy.target.verify
+
+    def slow_verify(*a, **k):
+        time.sleep(0.02)  # releases the GIL like a real model's kernels do
+        return real_verify(*a, **k)
+
+    monkeypatch.setattr(toy.target, "verify", slow_verify)
+    tr = decode(toy, "what is two plus two?", DecodeConfig(mode="d3d-async", max_new_tokens=30, block_size=4, hypotheses=8))
     packed = [s for s in tr.spans if s.kind == "packed_draft"]
     verify = [s for s in tr.spans if s.kind == "verify"]
     assert packed and len(packed) == len(tr.rounds)
