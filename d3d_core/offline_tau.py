@@ -44,15 +44,23 @@ def d3d_block_logits(drafter: D3DDrafter, ids: list, anchors: list, B: int) -> t
     return drafter.logits(hb[:, 1:B]).float()
 
 
+def target_features(drafter: DFlashDrafter, target, ids: list) -> torch.Tensor:
+    """(1, T, n*H) hidden states of the drafter's target layers for every position."""
+    cache = target.new_cache()
+    return target.forward(cache, torch.tensor(ids), 1, tuple(drafter.cfg.target_layer_ids)).feats
+
+
 @torch.no_grad()
 def dflash_block_logits(drafter: DFlashDrafter, target, ids: list, anchors: list, B: int) -> torch.Tensor:
     """Same for the DFlash drafter: one target forward gives the features of every position;
     each block sees the features before its anchor (4-D mask over one shared context)."""
-    feat_layers = tuple(drafter.cfg.target_layer_ids)
-    cache = target.new_cache()
-    out = target.forward(cache, torch.tensor(ids), 1, feat_layers)
+    return dflash_anchor_logits(drafter, target_features(drafter, target, ids), ids, anchors, B)
+
+
+def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list, anchors: list, B: int) -> torch.Tensor:
+    """(n_anchors, B-1, V) with gradients (training uses it too). feats: (1, T, n*H)."""
     T = len(ids)
-    f = drafter.fuse(out.feats)  # (1, T, H)
+    f = drafter.fuse(feats)  # (1, T, H)
     pos_c = torch.arange(T, device=drafter.device)
     cos_c, sin_c = drafter.shared.rope(pos_c, f)
     nb, L = len(anchors), B

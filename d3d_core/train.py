@@ -1,0 +1,304 @@
+"""Train a drafter on the target's own responses (self-distillation), resumably.
+
+    python -m d3d_core.train --kind d3d --bundle smollm2-135m --layers 8 --block-size 8 \\
+        --steps 4000 --out runs/d3d-8L
+    python -m d3d_core.train --kind dflash --layers 2 --steps 4000 --out runs/dflash-2L
+
+Both drafters see the same data, the same random anchors inside responses and the same
+weighted block loss ``w_k = exp(-(k-1)/γ)`` on block positions 1..B-1 (D3D also on its
+lookahead slot B), so equal steps = equal training budget. D3D adds ``λ ×`` next-token
+cross-entropy on its context stream (the auxiliary AR supervision). The target's embedding
+and LM head stay frozen. Every ``--ckpt-every`` steps the drafter and the optimizer state are
+written as safetensors (+ JSON) to ``--out``; rerunning the same command resumes there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .drafters import D3DDrafter, DFlashDrafter
+from .offline_tau import CalibSeq, dflash_anchor_logits, offline_tau, target_features
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "d3d"
+    layers: int = 8
+    block_size: int = 8
+    steps: int = 2000
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    gamma: float = 4.0  # block-position weight decay w_k = exp(-(k-1)/γ)
+    ar_lambda: float = 0.5  # λ: weight of the context stream's next-token loss (D3D)
+    ar_positions: int = 64  # context positions per sequence that get the AR loss (LM head is costly)
+    anchors: int = 16  # blocks per sequence per step
+    max_len: int = 384  # prompt + response tokens kept per sequence
+    accum: int = 2  # sequences per optimizer step
+    seed: int = 0
+    eval_every: int = 200
+    eval_seqs: int = 16
+    ckpt_every: int = 100
+    holdout_pct: float = 2.0
+
+
+PRESETS = {
+    "d3d-8L": TrainConfig(kind="d3d", layers=8),
+    "d3d-6L": TrainConfig(kind="d3d", layers=6),
+    "dflash-2L": TrainConfig(kind="dflash", layers=2),
+    "toy": TrainConfig(layers=2, block_size=4, steps=30, anchors=6, max_len=96, accum=1, eval_every=10, eval_seqs=4, ckpt_every=10),
+}
+
+
+def is_holdout(key: str, pct: float) -> bool:
+    h = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16)
+    return (h % 10000) < pct * 100
+
+
+def to_seq(e: dict, max_len: int) -> CalibSeq:
+    p, r = list(e["prompt_ids"]), list(e["response_ids"])
+    if len(p) + len(r) > max_len:
+        keep_p = max(16, max_len - len(r))
+        p = p[-keep_p:]
+        r = r[: max_len - len(p)]
+    return CalibSeq(p, r)
+
+
+def block_weights(B: int, n: int, gamma: float) -> torch.Tensor:
+    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)  # k = 1..n -> exp(-(k-1)/γ)
+
+
+def sample_anchors(seq: CalibSeq, n: int, rng: random.Random) -> list:
+    P, T = len(seq.prompt_ids), len(seq.ids)
+    cand = list(range(P, T - 1))  # the anchor must have at least one token after it
+    if not cand:
+        return []
+    return sorted(rng.sample(cand, min(n, len(cand))))
+
+
+def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random):
+    """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context."""
+    ids = seq.ids
+    T, B = len(ids), cfg.block_size
+    ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
+    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
+    logits = drafter.logits(hb[:, 1:]).float()  # (nb, B, V): predicts p+1 .. p+B
+    tgt = torch.full((len(anchors), B), -100, dtype=torch.long)
+    for b, p in enumerate(anchors):
+        for k in range(1, B + 1):
+            if p + k < T:
+                tgt[b, k - 1] = ids[p + k]
+    w = block_weights(B, B, cfg.gamma)[None].expand(len(anchors), B)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
+    valid = (tgt.reshape(-1) != -100).float()
+    wf = w.reshape(-1) * valid
+    block = (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+    ar = torch.zeros(())
+    if cfg.ar_lambda > 0:
+        P = len(seq.prompt_ids)
+        pos = list(range(max(0, P - 1), T - 1))
+        pos = sorted(rng.sample(pos, min(cfg.ar_positions, len(pos))))
+        if pos:
+            lg = drafter.logits(h_ctx[pos]).float()
+            ar = F.cross_entropy(lg, torch.tensor([ids[t + 1] for t in pos], device=lg.device)).cpu()
+    return block + cfg.ar_lambda * ar, float(block.detach()), float(ar.detach())
+
+
+def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cfg: TrainConfig):
+    ids = seq.ids
+    T, B = len(ids), cfg.block_size
+    anchors = [p for p in anchors if p + 1 < T]
+    with torch.no_grad():
+        feats = target_features(drafter, target, ids).clone()  # inference tensors cannot enter autograd
+    logits = dflash_anchor_logits(drafter, feats, ids, anchors, B).float()  # (nb, B-1, V)
+    tgt = torch.full((len(anchors), B - 1), -100, dtype=torch.long)
+    for b, p in enumerate(anchors):
+        for k in range(1, B):
+            if p + k < T:
+                tgt[b, k - 1] = ids[p + k]
+    w = block_weights(B, B - 1, cfg.gamma)[None].expand(len(anchors), B - 1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
+    wf = w.reshape(-1) * (tgt.reshape(-1) != -100).float()
+    block = (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+    return block, float(block.detach()), 0.0
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, history: list) -> None:
+    """Drafter (fp32 for resuming) + AdamW moments, all safetensors; state in JSON. Atomic."""
+    from safetensors.torch import save_file
+
+    tmp = out / "ckpt.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    moments, steps = {}, {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                n = names[id(p)]
+                moments[f"{n}.exp_avg"] = st["exp_avg"].contiguous()
+                moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+                steps[n] = float(st["step"])
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({
+        "step": step, "train": asdict(cfg), "drafter": drafter.cfg.to_json(), "adam_steps": steps, "history": history,
+    }, indent=1))
+    final = out / "ckpt"
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def load_checkpoint(out: Path, drafter, opt) -> tuple:
+    from safetensors.torch import load_file
+
+    d = out / "ckpt"
+    if not (d / "state.json").is_file():
+        return 0, []
+    st = json.loads((d / "state.json").read_text())
+    drafter.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    moments = load_file(str(d / "optimizer.safetensors"))
+    params = dict(drafter.named_parameters())
+    for n, s in st["adam_steps"].items():
+        p = params[n]
+        opt.state[p] = {"step": torch.tensor(s), "exp_avg": moments[f"{n}.exp_avg"], "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
+    return st["step"], st.get("history", [])
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None) -> dict:
+    """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict."""
+    from tqdm import tqdm
+
+    from .bundles import BUNDLES, init_drafter
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    drafter = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+    drafter.train()
+    for p in drafter.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start, history = load_checkpoint(out, drafter, opt)
+    train_ex = [e for e in examples if not is_holdout(e["id"], cfg.holdout_pct)]
+    held = [to_seq(e, cfg.max_len) for e in examples if is_holdout(e["id"], cfg.holdout_pct)][: cfg.eval_seqs]
+    if not train_ex:
+        raise ValueError("no training examples (run python -m d3d_core.distill first)")
+    if not held:
+        held = [to_seq(e, cfg.max_len) for e in train_ex[: cfg.eval_seqs]]
+
+    def evaluate() -> float:
+        drafter.eval()
+        with torch.no_grad():
+            t = offline_tau(drafter, held, B=cfg.block_size, stride=4, target=bundle.target)
+        drafter.train()
+        return t
+
+    if start == 0:
+        history.append({"step": 0, "offline_tau": evaluate(), "tokens_seen": 0})
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
+    t0 = time.time()
+    tokens_seen = history[-1].get("tokens_seen", 0) if history else 0
+    loss_ema = None
+    for step in range(start, cfg.steps):
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # the same data order on resume, whatever was done
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        tot = bl = arl = 0.0
+        for _ in range(cfg.accum):
+            seq = to_seq(rng.choice(train_ex), cfg.max_len)
+            anchors = sample_anchors(seq, cfg.anchors, rng)
+            if not anchors:
+                continue
+            if cfg.kind == "d3d":
+                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng)
+            else:
+                loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg)
+            (loss / cfg.accum).backward()
+            tot += float(loss) / cfg.accum
+            bl += b / cfg.accum
+            arl += a / cfg.accum
+            tokens_seen += len(anchors) * cfg.block_size
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        loss_ema = tot if loss_ema is None else 0.95 * loss_ema + 0.05 * tot
+        bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{bl:.3f}", ar=f"{arl:.3f}", tau=f"{history[-1]['offline_tau']:.2f}")
+        bar.update(1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            history.append({"step": done, "offline_tau": evaluate(), "loss": loss_ema, "tokens_seen": tokens_seen,
+                            "elapsed_s": time.time() - t0})
+            if log:
+                log(history[-1])
+        if done % cfg.ckpt_every == 0 or done == cfg.steps:
+            save_checkpoint(out, drafter, opt, done, cfg, history)
+    bar.close()
+    drafter.eval()
+    final_tau = history[-1]["offline_tau"]
+    trained = replace(drafter.cfg, training={
+        "data_examples": len(train_ex), "data_tokens": sum(len(e["response_ids"]) for e in train_ex),
+        "steps": cfg.steps, "tokens_seen": tokens_seen, "offline_tau": round(final_tau, 4),
+        "offline_tau_block": cfg.block_size, "train_config": asdict(cfg),
+    })
+    drafter.cfg = trained
+    drafter.save(out / "final")
+    return {"offline_tau": final_tau, "history": history, "out": str(out / "final")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=None)
+    for f, default in asdict(TrainConfig()).items():
+        ap.add_argument("--" + f.replace("_", "-"), type=type(default), default=None)
+    args = ap.parse_args(argv)
+    from .bundles import get_bundle
+    from .distill import distill_dir, read_examples
+
+    cfg = PRESETS[args.preset] if args.preset else TrainConfig()
+    cfg = replace(cfg, **{f: getattr(args, f) for f in asdict(cfg) if getattr(args, f) is not None})
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = get_bundle(args.bundle)
+    examples = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    if not examples:
+        print("error: no self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
+        return 2
+    res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr))
+    print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

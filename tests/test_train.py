@@ -1,0 +1,64 @@
+"""Training on the toy bundle: the loss falls, checkpoints resume exactly, the result loads."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from d3d_core.drafters import load_drafter
+from d3d_core.offline_tau import greedy_continuations
+from d3d_core.train import PRESETS, d3d_loss, sample_anchors, to_seq, train
+
+PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color",
+           "how are you?", "write a poem", "what is one plus one?", "say hi"]
+
+
+@pytest.fixture(scope="module")
+def examples(toy):
+    seqs = greedy_continuations(toy, PROMPTS, 48)
+    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+
+
+def _mean_block_loss(drafter, toy, examples, cfg):
+    import random
+
+    from d3d_core.train import dflash_loss
+
+    tot = 0.0
+    with torch.no_grad():
+        for i, e in enumerate(examples):
+            seq = to_seq(e, cfg.max_len)
+            anchors = sample_anchors(seq, 8, random.Random(i))
+            if cfg.kind == "d3d":
+                tot += d3d_loss(drafter, seq, anchors, cfg, random.Random(i))[1]
+            else:
+                tot += dflash_loss(drafter, toy.target, seq, anchors, cfg)[1]
+    return tot / len(examples)
+
+
+@pytest.mark.parametrize("kind", ["d3d", "dflash"])
+def test_loss_falls_and_tau_is_recorded(toy, examples, tmp_path, kind):
+    from d3d_core.bundles import BUNDLES, init_drafter
+
+    cfg = replace(PRESETS["toy"], kind=kind, layers=1 if kind == "dflash" else 2, steps=40, lr=1e-3, eval_every=20, ckpt_every=20)
+    res = train(toy, examples, cfg, tmp_path / kind, progress=False)
+    hist = res["history"]
+    assert [h["step"] for h in hist] == [0, 20, 40]
+    init = init_drafter(kind, toy.target, BUNDLES["toy"], num_layers=cfg.layers, block_size=cfg.block_size)
+    trained = load_drafter(tmp_path / kind / "final", toy.target.shared, toy.target.arch)
+    before, after = _mean_block_loss(init, toy, examples, cfg), _mean_block_loss(trained, toy, examples, cfg)
+    assert after < before * 0.8, (before, after)
+    assert hist[-1]["offline_tau"] > hist[0]["offline_tau"]
+    assert trained.cfg.training["steps"] == 40 and "offline_tau" in trained.cfg.training
+
+
+def test_resume_continues_exactly(toy, examples, tmp_path):
+    cfg = replace(PRESETS["toy"], steps=20, ckpt_every=10, eval_every=10)
+    full = train(toy, examples, cfg, tmp_path / "full", progress=False)
+    train(toy, examples, replace(cfg, steps=10), tmp_path / "resumed", progress=False)
+    resumed = train(toy, examples, cfg, tmp_path / "resumed", progress=False)  # picks up at step 10
+    a = load_drafter(tmp_path / "full" / "final", toy.target.shared, toy.target.arch)
+    b = load_drafter(tmp_path / "resumed" / "final", toy.target.shared, toy.target.arch)
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.allclose(p, q, atol=2e-3), n
+    assert abs(full["offline_tau"] - resumed["offline_tau"]) < 0.2
