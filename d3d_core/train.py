@@ -192,8 +192,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None) -> dict:
-    """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict."""
+def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None) -> dict:
+    """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
+    ``reload``: optional callable returning a fresh example list, called at every eval
+    (training can start while the self-distillation data is still being generated)."""
     from tqdm import tqdm
 
     from .bundles import BUNDLES, init_drafter
@@ -254,8 +256,12 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         bar.update(1)
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
+            if reload is not None:
+                fresh = [e for e in reload() if not is_holdout(e["id"], cfg.holdout_pct)]
+                if len(fresh) > len(train_ex):
+                    train_ex = fresh
             history.append({"step": done, "offline_tau": evaluate(), "loss": loss_ema, "tokens_seen": tokens_seen,
-                            "elapsed_s": time.time() - t0})
+                            "elapsed_s": time.time() - t0, "train_examples": len(train_ex)})
             if log:
                 log(history[-1])
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
@@ -291,11 +297,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = get_bundle(args.bundle)
-    examples = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    data = Path(args.data) if args.data else distill_dir(args.bundle)
+    examples = read_examples(data)
     if not examples:
         print("error: no self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
         return 2
-    res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr))
+    res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr),
+                reload=lambda: read_examples(data))
     print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"]}))
     return 0
 

@@ -1,0 +1,133 @@
+"""Progressive layer pruning of the D3D drafter, measured with offline τ.
+
+    python -m d3d_core.prune --bundle smollm2-135m --calib 16 --eval 16 --block-size 8 \\
+        --out assets/pruning/smollm2-135m.json
+
+Greedy: at each step drop the layer whose removal costs the least offline τ on the
+calibration set; record τ (and τ on held-out sequences never used for calibration) for
+every removal count, and each layer's marginal cost when removed alone from the full
+drafter. Writes ``{"layers", "order", "curve": [{"removed", "kept", "tau", "tau_rel",
+"tau_eval", "tau_eval_rel"}], "marginal_cost": {layer: Δτ}}`` and, with ``--calib-out``,
+the calibration sequences the app uses for live τ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .offline_tau import CalibSeq, offline_tau
+
+
+def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B: int = 8, stride: int = 4,
+                      target=None, min_layers: int = 1, progress=None) -> dict:
+    """Greedy least-harm removal. Returns the curve dict (see module doc)."""
+    L = drafter.cfg.num_layers
+    base_skip = set(drafter.cfg.skip_layers)
+    layers = [i for i in range(L) if i not in base_skip]
+
+    def tau_of(skip, seqs):
+        return offline_tau(drafter.pruned(sorted(base_skip | set(skip))), seqs, B=B, stride=stride, target=target)
+
+    full = tau_of([], calib)
+    full_eval = tau_of([], eval_seqs) if eval_seqs else None
+    marginal = {}
+    removed: list = []
+    curve = [_point(0, layers, full, full, full_eval, full_eval)]
+    while len(layers) - len(removed) > min_layers:
+        best = None
+        for cand in layers:
+            if cand in removed:
+                continue
+            t = tau_of(removed + [cand], calib)
+            if not removed:
+                marginal[str(cand)] = full - t
+            if best is None or t > best[1]:
+                best = (cand, t)
+            if progress:
+                progress()
+        removed.append(best[0])
+        kept = [i for i in layers if i not in removed]
+        te = tau_of(removed, eval_seqs) if eval_seqs else None
+        curve.append(_point(len(removed), kept, best[1], full, te, full_eval))
+    return {"layers": L, "block_size": B, "order": removed, "curve": curve, "marginal_cost": marginal,
+            "calib_seqs": len(calib), "eval_seqs": len(eval_seqs or [])}
+
+
+def _point(k, kept, tau, full, te, full_eval):
+    p = {"removed": k, "kept": list(kept), "tau": tau, "tau_rel": tau / full if full else 0.0}
+    if te is not None:
+        p["tau_eval"] = te
+        p["tau_eval_rel"] = te / full_eval if full_eval else 0.0
+    return p
+
+
+def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel") -> dict:
+    """The point with the most layers removed that keeps >= `keep` of τ (held-out when measured)."""
+    ok = [p for p in curve["curve"] if p.get(key, p["tau_rel"]) >= keep]
+    return max(ok, key=lambda p: p["removed"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.prune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--drafter", default=None, help="D3D drafter directory (default: the bundle's)")
+    ap.add_argument("--data", default=None, help="distill directory for calibration (default $D3D_CACHE/distill/<bundle>)")
+    ap.add_argument("--calib", type=int, default=16, help="calibration sequences")
+    ap.add_argument("--eval", type=int, default=16, help="held-out sequences (never used to choose layers)")
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--stride", type=int, default=4)
+    ap.add_argument("--max-len", type=int, default=384)
+    ap.add_argument("--out", default=None, help="default assets/pruning/<bundle>.json")
+    ap.add_argument("--calib-out", default=None, help="also write the calibration set (assets/calibration/<bundle>.json)")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    from .bundles import ASSETS, get_bundle
+    from .distill import distill_dir, read_examples
+    from .drafters import load_drafter
+    from .offline_tau import CALIB_PROMPTS, greedy_continuations
+    from .train import is_holdout, to_seq
+
+    bundle = get_bundle(args.bundle)
+    drafter = bundle.drafter("d3d")
+    if args.drafter:
+        drafter = load_drafter(args.drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+    ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    held = [to_seq(e, args.max_len) for e in ex if is_holdout(e["id"], 2.0)]
+    if len(held) >= args.calib + args.eval:
+        calib, evals = held[: args.calib], held[args.calib : args.calib + args.eval]
+    else:  # no distill data: the target's continuations of a few built-in prompts
+        seqs = greedy_continuations(bundle, CALIB_PROMPTS, 96)
+        calib, evals = seqs[:2], seqs[2:]
+    L = drafter.cfg.num_layers
+    bar = tqdm(total=L * (L - 1) // 2 + L - 1, desc="prune", file=sys.stderr)
+    t0 = time.time()
+    curve = progressive_prune(drafter, calib, evals, B=args.block_size, stride=args.stride, target=bundle.target, progress=bar.update)
+    bar.close()
+    curve["bundle"] = args.bundle
+    curve["drafter"] = drafter.cfg.training or "untrained"
+    curve["wall_time_s"] = time.time() - t0
+    curve["best_99"] = best_within(curve)
+    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(curve, indent=1))
+    if args.calib_out:
+        Path(args.calib_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.calib_out).write_text(json.dumps({"bundle": args.bundle, "seqs": [
+            {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in calib]}))
+    for p in curve["curve"]:
+        ev = f"  held-out τ {p['tau_eval']:.3f} ({p['tau_eval_rel']:.1%})" if "tau_eval" in p else ""
+        print(f"removed {p['removed']:2d}  τ {p['tau']:.3f} ({p['tau_rel']:.1%}){ev}  kept {p['kept']}")
+    print(f"best within 99 %: {curve['best_99']['removed']} layers removed; wrote {out}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["progressive_prune", "best_within", "CalibSeq"]
+
+if __name__ == "__main__":
+    sys.exit(main())
