@@ -107,3 +107,22 @@ def test_pruning_endpoints(client):
 
 def test_stop_endpoint(client):
     assert "stopping" in client.predict(api_name="/stop")
+
+
+@pytest.mark.slow
+def test_stop_ends_a_real_run_within_a_round_and_the_next_run_works(client):
+    import time
+
+    job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, False,
+                        api_name="/race")
+    deadline = time.time() + 120
+    while time.time() < deadline and not any("Running" in str(o[0]) for o in job.outputs()):
+        time.sleep(0.2)
+    time.sleep(2.0)
+    t = time.perf_counter()
+    client.predict(api_name="/stop")
+    res = job.result()
+    assert time.perf_counter() - t < 10  # one round of a 135M model is well under a second
+    assert res[0].startswith("**Stopped**") and "finish = cancelled" in res[1]
+    again = client.predict(*RACE.values(), api_name="/race")
+    assert again[0].startswith("**Done**")
