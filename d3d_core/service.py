@@ -86,7 +86,7 @@ def bundle_summary(name: str) -> dict:
         "name": b.name,
         "description": b.description,
         "device": str(b.device),
-        "attention": getattr(b.target.model.config, "_attn_implementation", "sdpa"),
+        "attention": b.attention,
         "target_layers": b.target.num_layers,
         "d3d_layers": d3d.cfg.num_layers,
         "d3d_init_layers": list(d3d.cfg.init_layers),

@@ -31,8 +31,9 @@ def clean_prompt(text) -> str:
 class HFChatTokenizer:
     """A Hugging Face tokenizer with its chat template."""
 
-    def __init__(self, tok, system_prompt=None):
+    def __init__(self, tok, system_prompt=None, template_kwargs=None):
         self.tok = tok
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3: enable_thinking=False
         self.vocab_size = len(tok)
         eos = set()
         for t in (tok.eos_token, "<|im_end|>", "<|endoftext|>"):
@@ -49,12 +50,12 @@ class HFChatTokenizer:
             msgs = [{"role": "user", "content": text}]
             if self.system_prompt:
                 msgs.insert(0, {"role": "system", "content": self.system_prompt})
-            s = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            s = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
             return self.tok.encode(s, add_special_tokens=False)
         return self.tok.encode(text, add_special_tokens=False)
 
     def encode_messages(self, messages: list) -> list:
-        s = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        s = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
         return self.tok.encode(s, add_special_tokens=False)
 
     def decode(self, ids) -> str:

@@ -1,0 +1,132 @@
+"""Public DFlash checkpoints (z-lab layout) -> this project's ``DFlashDrafter``, no remote code.
+
+The z-lab checkpoints (e.g. ``z-lab/Qwen3-8B-DFlash-b16``) are a Qwen3-style ``config.json``
+with ``num_hidden_layers`` = drafter layers, ``num_target_layers``, ``block_size`` and
+``dflash_config`` {``mask_token_id``, ``target_layer_ids``}, and safetensors weights named
+``layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``fc``, ``hidden_norm`` and ``norm`` — the
+parameter names of our class, so they load one to one. The block's mask positions use the
+target's embedding row of ``mask_token_id``. Weights are read with safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .drafters import ArchConfig, DFlashDrafter, DrafterConfig, SharedParts
+
+# names of weights that belong to other DFlash variants (e.g. DFlash2) we do not implement
+UNSUPPORTED_PREFIXES = ("candidate_selector.", "attention_conv", "mlp_conv")
+
+
+def build_target_layer_ids(num_target_layers: int, n: int) -> tuple:
+    """DFlash's choice when a config names no layers: n layers evenly over [1, L-3]."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+
+
+def read_zlab_config(path: Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"no config.json in {path} (expected a z-lab DFlash checkpoint directory)")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict) or "dflash_config" not in cfg:
+        raise ValueError(f"{f} has no 'dflash_config': not a DFlash checkpoint")
+    return cfg
+
+
+def zlab_drafter_config(cfg: dict, target_arch: ArchConfig) -> DrafterConfig:
+    dc = cfg.get("dflash_config") or {}
+    need = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "rms_norm_eps"]
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise ValueError(f"DFlash config lacks {', '.join(missing)}")
+    if cfg["hidden_size"] != target_arch.hidden_size:
+        raise ValueError(f"DFlash drafter hidden size {cfg['hidden_size']} does not match the target's {target_arch.hidden_size}")
+    n_target = int(cfg.get("num_target_layers", target_arch.num_target_layers))
+    if n_target != target_arch.num_target_layers:
+        raise ValueError(f"DFlash drafter was trained for a {n_target}-layer target; this target has {target_arch.num_target_layers}")
+    layers = int(cfg["num_hidden_layers"])
+    ids = tuple(dc.get("target_layer_ids") or build_target_layer_ids(n_target, layers))
+    if any(not 0 <= i < n_target for i in ids):
+        raise ValueError(f"target_layer_ids {ids} out of range for a {n_target}-layer target")
+    arch = ArchConfig(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        vocab_size=target_arch.vocab_size,
+        qk_norm=True,  # DFlash drafters are Qwen3-style layers
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        num_target_layers=n_target,
+    )
+    mask_id = dc.get("mask_token_id")
+    if mask_id is None:
+        raise ValueError("dflash_config.mask_token_id is missing")
+    if not 0 <= int(mask_id) < target_arch.vocab_size:
+        raise ValueError(f"mask_token_id {mask_id} is outside the target's vocabulary ({target_arch.vocab_size})")
+    return DrafterConfig(
+        kind="dflash", arch=arch, num_layers=layers, block_size=int(cfg.get("block_size") or dc.get("block_size") or 16),
+        target_layer_ids=ids, mask_token_id=int(mask_id), training={"source": "z-lab DFlash checkpoint"},
+    )
+
+
+def load_zlab_dflash(path, shared: SharedParts, target_arch: ArchConfig, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    """Load a z-lab DFlash checkpoint directory into ``DFlashDrafter``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = zlab_drafter_config(read_zlab_config(path), target_arch)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {path} (pickled .bin weights are never loaded)")
+    sd = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is unreadable (truncated or not safetensors): {e}") from None
+    odd = sorted({k for k in sd if k.startswith(UNSUPPORTED_PREFIXES) or ".attention_conv" in k or ".mlp_conv" in k})
+    if odd:
+        raise ValueError(f"{path} holds weights of an unsupported DFlash variant (e.g. {odd[0]}); only the DFlash v1 layout loads")
+    model = DFlashDrafter(cfg, shared)
+    with torch.no_grad():
+        emb = shared.embed_tokens.weight[cfg.mask_token_id].detach().float()
+    sd["mask_embedding"] = emb
+    try:
+        model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not match the DFlash layout: {str(e)[:400]}") from None
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_zlab_dflash(model: DFlashDrafter, path, num_target_layers: int, mask_token_id: int) -> None:
+    """Write a drafter in the z-lab layout (tests and export use it)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    a = model.cfg.arch
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_norm_eps,
+        "num_hidden_layers": model.cfg.num_layers, "num_target_layers": num_target_layers, "vocab_size": a.vocab_size,
+        "attention_bias": a.attention_bias, "block_size": model.cfg.block_size, "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(model.cfg.target_layer_ids)},
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "mask_embedding"}
+    save_file(sd, str(path / "model.safetensors"))
