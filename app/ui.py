@@ -16,6 +16,7 @@ from d3d_core import service
 from d3d_core.trace import MODES
 
 from . import explain, figures
+from .spaces_gpu import maybe_gpu
 from .tokens import column_html, legend_html
 
 EXAMPLES = [
@@ -338,7 +339,7 @@ def build_demo() -> gr.Blocks:
 
         race_outputs = [status, *cols, state, tl_plot, tl_summary, acc_plot, r_mode, r_idx]
         run_ev = run_btn.click(
-            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
+            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )
         run_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)

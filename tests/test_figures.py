@@ -126,3 +126,12 @@ def test_column_html_replay_shows_pending(traces, pieces):
     assert 'class="tok pend"' in h
     before = column_html(tr, pieces, t_ms=0.0)
     assert 'class="tok' not in before.split("</style>")[1].replace('class="tok pend"', "")
+
+
+def test_spaces_duration_is_sized_from_the_request():
+    from app.spaces_gpu import maybe_gpu, race_duration
+
+    assert race_duration("p", "b", ["ar"], 8, 0, 100) < race_duration("p", "b", ["ar", "dflash", "d3d-seq", "d3d-async"], 8, 0, 100)
+    assert race_duration("p", "b", ["ar"], 8, 0, 10_000) == 300
+    f = lambda: 1  # noqa: E731
+    assert maybe_gpu(f) is f  # `spaces` is not installed here: the handler is left as it is
