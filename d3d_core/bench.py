@@ -172,32 +172,70 @@ def write_outputs(out: Path, result: dict) -> list:
     return written
 
 
-def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None) -> list:
-    """Decode every item with every mode (item-major). Returns per-(item, mode) rows."""
+def item_ids(bundle, it, base: DecodeConfig) -> list:
+    """Prompt ids of an item; MT-Bench's second turn first gets the target's own turn-1 answer."""
+    from .engine import decode
+
+    msgs = [dict(m) for m in it.messages]
+    if it.meta.get("needs_first_answer"):
+        first = decode(bundle, bundle.tokenizer.encode_messages(msgs[:1]), base.with_(mode="ar"))
+        msgs[1]["content"] = bundle.tokenizer.tok.decode(first.output_ids, skip_special_tokens=True) if hasattr(bundle.tokenizer, "tok") else first.output_text
+    return bundle.tokenizer.encode_messages(msgs)
+
+
+def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
+              block_sizes: Optional[list] = None) -> list:
+    """Decode every item with every mode (item-major; ar once per item, drafting modes once
+    per block size). Returns per-(item, mode, block size) rows."""
     from tqdm import tqdm
 
     from .engine import decode
 
     drafters = drafters or {}
+    block_sizes = block_sizes or [base.block_size]
+    if not items:
+        return []
     # warm-up (untimed): first calls pay allocator / kernel selection costs
     for m in modes:
         decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
     rows = []
-    bar = tqdm(total=len(items) * len(modes), desc="bench", file=sys.stderr, disable=not progress)
+    draft_modes = [m for m in modes if m != "ar"]
+    bar = tqdm(total=len(items) * (("ar" in modes) + len(draft_modes) * len(block_sizes)), desc="bench", file=sys.stderr, disable=not progress)
     for it in items:
-        ids = bundle.tokenizer.encode_messages(it.messages)
+        ids = item_ids(bundle, it, base)
         ref = None
-        order = (["ar"] if "ar" in modes else []) + [m for m in modes if m != "ar"]
-        for m in order:
-            tr = decode(bundle, ids, base.with_(mode=m), drafter=drafters.get(m))
+        runs = ([("ar", base.block_size)] if "ar" in modes else []) + [(m, B) for B in block_sizes for m in draft_modes]
+        for m, B in runs:
+            tr = decode(bundle, ids, base.with_(mode=m, block_size=B), drafter=drafters.get(m))
             if m == "ar":
                 ref = tr.output_ids
-            lossless_ref = ref if (base.temperature == 0 and ref is not None and m != "ar") else (tr.output_ids if m == "ar" and base.temperature == 0 else None)
-            rows.append(row_of(it, tr, lossless_ref))
-            bar.set_postfix(mode=m, tau=f"{tr.stats.tau:.2f}")
+            greedy = base.temperature == 0
+            rows.append(dict(row_of(it, tr, (tr.output_ids if m == "ar" else ref) if greedy and ref is not None else None), block_size=B))
+            bar.set_postfix(mode=m, B=B, tau=f"{tr.stats.tau:.2f}")
             bar.update(1)
     bar.close()
     return rows
+
+
+def acceptance_hists(rows: list) -> dict:
+    """{dataset: {mode: {accepted: count}}} summed over items (the block size of the main run)."""
+    out: dict = {}
+    for r in rows:
+        h = out.setdefault(r["dataset"], {}).setdefault(r["mode"], {})
+        for a, c in r["accepted_hist"].items():
+            h[a] = h.get(a, 0) + c
+    return out
+
+
+def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list) -> dict:
+    """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B)."""
+    out: dict = {}
+    for B in block_sizes:
+        rs = [r for r in rows if r["mode"] == "ar" or r["block_size"] == B]
+        for s in summarize(rs, datasets, modes):
+            if s["dataset"] == ("average" if len(datasets) > 1 else datasets[0]) and s["mode"] != "ar":
+                out.setdefault(s["mode"], {})[str(B)] = {"tau": s["tau"], "speedup": s["speedup"]}
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
     p.add_argument("--data-dir", default=None, help="directory in the layout of shared/datasets (or $D3D_DATA_DIR)")
     p.add_argument("--datasets", default="gsm8k,mt_bench", help="comma list or 'all'")
-    p.add_argument("--n", type=int, default=5, help="prompts per dataset")
+    p.add_argument("--n", "-n", "--num-prompts", dest="n", type=int, default=5,
+                   help="prompts per dataset (under torchrun write -n: torchrun claims --n as an abbreviation)")
     p.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
     for f in ("max_new_tokens", "block_size", "hypotheses", "threads"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(DecodeConfig(), f))
@@ -216,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
     p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
     p.add_argument("--device", default=None)
-    p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H)")
+    p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H) and check the latency model")
+    p.add_argument("--block-sizes", default="", help="sweep: comma list of block sizes (e.g. 2,4,8,16); the table uses --block-size")
     p.add_argument("--out", default="results/bench.json")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -242,32 +282,100 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        block_sizes = sorted({int(b) for b in args.block_sizes.split(",") if b.strip()} | {base.block_size}) if args.block_sizes else [base.block_size]
+        for B in block_sizes:
+            base.with_(block_size=B).validated()
+    except ValueError as e:
+        print(f"error: --block-sizes: {e}", file=sys.stderr)
+        return 2
     drafters = load_override_drafters(bundle, args)
+    dist = Dist.from_env(bundle.device)
     t0 = time.time()
     rows = []
     for ds in datasets:
-        rows += run_bench(bundle, items_by_ds[ds], modes, base, progress=not args.no_progress, drafters=drafters)
-    summary = summarize(rows, datasets, modes)
+        mine = dist.shard(items_by_ds[ds])
+        rows += run_bench(bundle, mine, modes, base, progress=not args.no_progress and dist.rank == 0, drafters=drafters,
+                          block_sizes=block_sizes)
+    rows = dist.gather(rows)
+    if dist.rank != 0:
+        dist.close()
+        return 0
+    rows.sort(key=lambda r: (datasets.index(r["dataset"]), r["id"], r["mode"], r["block_size"]))
+    main_rows = [r for r in rows if r["block_size"] == base.block_size or r["mode"] == "ar"]
+    summary = summarize(main_rows, datasets, modes)
     result = {
-        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info},
+        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine_info(),
         "wall_time_s": time.time() - t0,
         "rows": rows,
         "summary": summary,
+        "acceptance_hist": acceptance_hists(main_rows),
     }
+    if len(block_sizes) > 1:
+        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes)
     if args.cost_probe:
         from .costs import probe_costs
+        from .latency import validate
 
         result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
+        result["latency_model"] = validate(result)
     written = write_outputs(Path(args.out), result)
     print(table_text(summary))
+    if "sweep" in result:
+        print("\nblock-size sweep (τ / speedup):")
+        for m, pts in result["sweep"].items():
+            print(f"  {m:10s} " + "  ".join(f"B={b}: {v['tau']:.2f} / {_fmt(v['speedup'])}x" for b, v in pts.items()))
     if args.cost_probe:
         from .costs import costs_text
 
         print()
         print(costs_text(result["costs"]))
-    print(f"\nwrote {', '.join(str(w) for w in written)} ({result['wall_time_s']:.0f} s)", file=sys.stderr)
+        print("\nlatency model vs measured speedup:")
+        print(table_text(result["latency_model"], cols=["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]))
+    print(f"\nwrote {', '.join(str(w) for w in written)} ({result['wall_time_s']:.0f} s, {dist.world} process(es))", file=sys.stderr)
+    dist.close()
     return 0
+
+
+class Dist:
+    """Prompt sharding under torchrun: gloo on CPU, nccl on GPU (one GPU per rank); rows are
+    gathered on rank 0, which writes one table identical in shape to a single-process run."""
+
+    def __init__(self, rank: int = 0, world: int = 1, group=False):
+        self.rank, self.world, self.group = rank, world, group
+
+    @classmethod
+    def from_env(cls, device) -> "Dist":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch
+        import torch.distributed as tdist
+
+        backend = "nccl" if str(device).startswith("cuda") else "gloo"
+        if backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+        tdist.init_process_group(backend=backend)
+        return cls(tdist.get_rank(), tdist.get_world_size(), True)
+
+    def shard(self, items: list) -> list:
+        return items[self.rank :: self.world]
+
+    def gather(self, rows: list) -> list:
+        if not self.group:
+            return rows
+        import torch.distributed as tdist
+
+        out = [None] * self.world
+        tdist.all_gather_object(out, rows)
+        return [r for part in out for r in part]
+
+    def close(self):
+        if self.group:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
 
 
 def load_override_drafters(bundle, args) -> dict:

@@ -17,6 +17,7 @@ from typing import Optional
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt_bench")
+EXTRA = ("mt_bench_2turn",)  # MT-Bench with both turns (the target answers turn 1 first)
 # file of each benchmark inside its folder (train sets live beside them)
 FILES = {
     "gsm8k": "gsm8k/test.jsonl",
@@ -106,12 +107,13 @@ def format_item(name: str, row: dict, idx: int) -> Optional[Item]:
         t = row["turns"]
         if len(t) < 2:
             return None
+        # the assistant turn is the target's own answer to turn 1, filled in by the bench
         msgs = [
             {"role": "user", "content": t[0]},
-            {"role": "assistant", "content": row.get("reference_answer", "(first answer)")},
+            {"role": "assistant", "content": ""},
             {"role": "user", "content": t[1]},
         ]
-        return Item(name, str(row["question_id"]), msgs, {"category": row.get("category")})
+        return Item(name, str(row["question_id"]), msgs, {"category": row.get("category"), "needs_first_answer": True})
     raise ValueError(f"unknown dataset {name!r}; available: {', '.join(BENCHMARKS)}")
 
 
@@ -136,7 +138,7 @@ def parse_datasets(spec: str) -> list:
         return list(BENCHMARKS)
     bad = [n for n in names if n not in FILES]
     if bad:
-        raise ValueError(f"unknown dataset(s) {', '.join(bad)}; available: {', '.join(BENCHMARKS)} or 'all'")
+        raise ValueError(f"unknown dataset(s) {', '.join(bad)}; available: {', '.join(BENCHMARKS + EXTRA)} or 'all'")
     return names
 
 

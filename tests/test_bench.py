@@ -79,3 +79,50 @@ def test_training_prompts_exclude_benchmark_files():
     kinds = {i.dataset for i in items}
     assert kinds == {"gsm8k-train", "mbpp-train", "alpaca"}
     assert sorted(i.id for i in items if i.dataset == "mbpp-train") == ["610", "611"]
+
+
+def test_block_size_sweep_and_histograms(tmp_path):
+    out = tmp_path / "s.json"
+    assert bench.main(["--bundle", "toy", "--modes", "ar,d3d-seq,d3d-async", "--data-dir", str(FIX), "--datasets", "gsm8k",
+                       "--n", "2", "--max-new-tokens", "16", "--block-size", "4", "--block-sizes", "2,8", "--out", str(out),
+                       "--no-progress"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["sweep"]) == {"d3d-seq", "d3d-async"}
+    assert set(res["sweep"]["d3d-seq"]) == {"2", "4", "8"}
+    assert len(res["rows"]) == 2 * (1 + 2 * 3)  # ar once + 2 modes x 3 block sizes, per item
+    h = res["acceptance_hist"]["gsm8k"]["d3d-seq"]
+    main = [r for r in res["rows"] if r["mode"] == "d3d-seq" and r["block_size"] == 4]
+    assert sum(h.values()) == sum(r["rounds"] for r in main)
+
+
+def test_mt_bench_second_turn_uses_the_targets_own_first_answer(toy):
+    from d3d_core.bench import item_ids
+    from d3d_core.config import DecodeConfig
+
+    it = load_benchmark("mt_bench_2turn", n=1, root=str(FIX))[0]
+    assert it.meta["needs_first_answer"] and it.messages[1]["content"] == ""
+    ids = item_ids(toy, it, DecodeConfig(max_new_tokens=12))
+    first_only = toy.tokenizer.encode_messages(it.messages[:1])
+    assert len(ids) > len(first_only)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    args = ["--bundle", "toy", "--modes", "ar,dflash,d3d-async", "--data-dir", str(FIX), "--datasets", "gsm8k,mt_bench", "-n", "3",
+            "--max-new-tokens", "20", "--block-size", "4", "--no-progress"]
+    one = tmp_path / "one.json"
+    two = tmp_path / "two.json"
+    assert bench.main(args + ["--out", str(one)]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", "-m", "d3d_core.bench",
+           *args, "--out", str(two)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).resolve().parent.parent))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert b["config"]["world_size"] == 2
+    keys = ["dataset", "id", "mode", "n_tokens", "rounds", "tau", "hit_rate", "lossless", "accepted_hist", "block_size"]
+    assert [{k: r[k] for k in keys} for r in a["rows"]] == [{k: r[k] for k in keys} for r in b["rows"]]
+    assert [(s["dataset"], s["mode"], s["n"], round(s["tau"], 9)) for s in a["summary"]] == \
+           [(s["dataset"], s["mode"], s["n"], round(s["tau"], 9)) for s in b["summary"]]

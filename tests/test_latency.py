@@ -1,0 +1,60 @@
+"""The latency model on synthetic costs matches hand-computed values."""
+
+import pytest
+
+from d3d_core.latency import PRESETS, CostProfile, async_profile, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
+
+P = CostProfile(name="synthetic", source="test", assumptions="round numbers", t_step_ms=10.0,
+                t_verify_ms={1: 10.0, 8: 14.0, 16: 18.0}, t_draft_d3d_ms={8: 4.0, 16: 6.0}, t_draft_dflash_ms={8: 2.0, 16: 3.0},
+                t_packed_ms={1: 5.0, 4: 8.0, 8: 16.0}, packed_block=8)
+
+
+def test_hand_computed_values():
+    assert per_token_ms(P, "ar", 8, 1.0) == 10.0
+    assert per_token_ms(P, "dflash", 8, 4.0) == pytest.approx((2 + 14) / 4)
+    assert per_token_ms(P, "d3d-seq", 8, 4.0) == pytest.approx((4 + 14) / 4)
+    # async: max(verify 14, packed 8) + miss 25 % x draft 4 = 15 ms per round
+    assert per_token_ms(P, "d3d-async", 8, 3.0, hit_rate=0.75, H=4) == pytest.approx(15 / 3)
+    # packed pass longer than verify: max(14, 16) + 0 = 16
+    assert per_token_ms(P, "d3d-async", 8, 2.0, hit_rate=1.0, H=8) == pytest.approx(8.0)
+    assert speedup(P, "d3d-seq", 8, 4.0) == pytest.approx(10 / 4.5)
+
+
+def test_interpolation_and_extrapolation():
+    assert P.at(P.t_verify_ms, 4) == pytest.approx(10 + 4 * 3 / 7)
+    assert P.at(P.t_verify_ms, 32) == pytest.approx(18 + 4 / 8 * 16)
+    assert P.at(P.t_draft_d3d_ms, 2) == 4.0
+
+
+def test_scaled_profile():
+    s = P.scaled(verify=2.0)
+    assert per_token_ms(s, "dflash", 8, 1.0) == 2 + 28
+
+
+def test_tau_from_histogram():
+    assert tau_from_hist({"0": 2, "3": 2}) == pytest.approx(2.5)
+
+
+def test_presets_are_documented_and_sane():
+    for name, p in PRESETS.items():
+        assert p.source and p.assumptions
+        assert p.t_step_ms > 0
+        assert p.at(p.t_verify_ms, 8) >= p.t_step_ms * 0.99
+    h200, h100 = PRESETS["qwen3-8b on H200 (derived)"], PRESETS["qwen3-8b on H100 (derived)"]
+    assert h200.t_step_ms < h100.t_step_ms  # more bandwidth, faster step
+
+
+def test_validate_against_a_bench_result():
+    costs = {"ctx_len": 300, "threads": 2, "step_ms": 10.0, "verify_ms": {"1": 10.0, "8": 14.0}, "verify_1thread_ms": {"1": 12.0, "8": 20.0},
+             "d3d_draft_ms": {"8": 4.0}, "dflash_draft_ms": {"8": 2.0}, "packed_ms": {"4": 8.0}, "packed_block_size": 8,
+             "d3d_draft_1thread_ms": 6.0}
+    result = {"config": {"decode": {"block_size": 8, "hypotheses": 4}}, "costs": costs, "summary": [
+        {"dataset": "d", "mode": "ar", "tau": 1.0, "speedup": 1.0},
+        {"dataset": "d", "mode": "d3d-seq", "tau": 3.0, "speedup": 1.5, "hit_rate": None},
+        {"dataset": "d", "mode": "d3d-async", "tau": 3.0, "speedup": 1.2, "hit_rate": 0.5}]}
+    rows = {r["mode"]: r for r in validate(result)}
+    assert rows["d3d-seq"]["predicted_speedup"] == pytest.approx(10 / ((4 + 14) / 3))
+    # async on 1 thread per lane: verify 20, draft 6: (max(20, 8) + 0.5 * 6) / 3
+    assert rows["d3d-async"]["predicted_speedup"] == pytest.approx(10 / (23 / 3))
+    assert rows["d3d-seq"]["error"] == pytest.approx(rows["d3d-seq"]["predicted_speedup"] / 1.5 - 1)
+    assert async_profile(profile_from_probe(costs)).t_verify_ms[8] == 20.0
