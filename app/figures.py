@@ -343,3 +343,32 @@ def diagram_pruning() -> go.Figure:
     fig.update_layout(title="Pruning drafter layers", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)
     return fig
+
+
+# ----------------------------------------------------------------------------- benchmarks / projections
+
+
+def bench_table(result: Optional[dict]) -> pd.DataFrame:
+    cols = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"]
+    if not result or not result.get("summary"):
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame(result["summary"])
+    df = df[[c for c in cols if c in df.columns]]
+    return df.round(3)
+
+
+def projection_figure(rows: list, profile_name: str, tau: float, hit_rate: float, B: int, H: int) -> go.Figure:
+    """Predicted speedup per mode — a model, always labelled as such."""
+    if not rows:
+        return _empty("Projected speedup", "Pick a cost profile.")
+    fig = go.Figure(go.Bar(
+        x=[r["mode"] for r in rows], y=[r["speedup"] for r in rows], marker_color=[MODE_COLOURS.get(r["mode"], GREY) for r in rows],
+        text=[f"{r['speedup']:.2f}× · {r['ms_per_token']:.1f} ms/token" for r in rows], textposition="outside",
+        hovertemplate="%{x}: %{y:.2f}× (model)<extra></extra>",
+    ))
+    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"))
+    fig.update_layout(
+        title=f"MODEL-BASED projection · {profile_name} · B={B}, τ={tau:.2f}, hit rate={hit_rate:.0%}, H={H}",
+        yaxis=dict(title="projected speedup vs ar"), height=380, **LAYOUT,
+    )
+    return fig

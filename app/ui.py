@@ -213,6 +213,19 @@ def measure_pruned(bundle, active, state):
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
 
 
+def project_speedups(profile, B, tau, hit, H, vx, dx, px):
+    try:
+        B, H = int(B), int(H)
+        tau = min(float(tau), B)
+        rows = service.project(profile, B, tau, float(hit), H, float(vx), float(dx), float(px))
+    except (ValueError, TypeError) as e:
+        return figures.projection_figure([], str(profile), 1.0, 0.0, 2, 1), f"**Error:** {e}"
+    p = service.cost_profiles()[profile]
+    src = (f"**{p.name}** — source: {p.source}. Assumptions: {p.assumptions}. "
+           f"T_step = {p.t_step_ms:.2f} ms. τ is capped at B.")
+    return figures.projection_figure(rows, profile, tau, float(hit), B, H), src
+
+
 def download_traces(state):
     trs = _traces(state or {})
     if not trs:
@@ -317,6 +330,25 @@ def build_demo() -> gr.Blocks:
                     p_curve = gr.Plot(figures.pruning_curve_figure(None), label="Pruning curve")
                     p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
                 p_load = gr.Button("Reload layers and curve")
+            with gr.Tab("Benchmarks", id="benchmarks"):
+                gr.Markdown("**Measured** on this machine by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, lossless rate, hit rate, overlap):")
+                b_table = gr.Dataframe(figures.bench_table(service.bench_result(service.DEFAULT_BUNDLE)), label="Measured (bench command)", interactive=False)
+                gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
+                            "max(T_verify, T_packed) + miss rate × T_draft, per-token time = round / τ. These are model-based numbers, "
+                            "not measurements; each cost profile states its source and assumptions.")
+                with gr.Row():
+                    pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")
+                    pj_B = gr.Slider(2, 16, value=16, step=1, label="Block size B")
+                    pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
+                with gr.Row():
+                    pj_tau = gr.Slider(1.0, 16.0, value=6.0, step=0.1, label="τ (acceptance length)")
+                    pj_hit = gr.Slider(0.0, 1.0, value=0.7, step=0.05, label="hit rate (d3d-async)")
+                with gr.Row():
+                    pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
+                    pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")
+                    pj_p = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× packed-pass cost")
+                pj_plot = gr.Plot(label="Projected speedup (model)")
+                pj_src = gr.Markdown()
             with gr.Tab("How it works", id="explain"):
                 gr.Markdown(explain.INTRO)
                 gr.Plot(figures.diagram_ar(), label="AR")
@@ -357,5 +389,11 @@ def build_demo() -> gr.Blocks:
         up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, r_mode, state, r_idx],
                        api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False)
         demo.load(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        pj_inputs = [pj_profile, pj_B, pj_tau, pj_hit, pj_H, pj_v, pj_d, pj_p]
+        for comp in pj_inputs:
+            comp.change(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False, queue=False)
+        gr.Button("Project", visible=False).click(project_speedups, pj_inputs, [pj_plot, pj_src], api_name="project")
+        demo.load(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False)
+        bundle.change(lambda b: figures.bench_table(service.bench_result(b)), [bundle], [b_table], api_name=False)
     demo.queue(max_size=16, default_concurrency_limit=2)
     return demo

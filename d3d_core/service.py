@@ -164,6 +164,43 @@ def block_sweep(bundle_name: str) -> Optional[dict]:
         return None
 
 
+def bench_result(bundle_name: str) -> Optional[dict]:
+    """The measured bench table shipped for the bundle (assets/bench/<bundle>.json), if any."""
+    p = ASSETS / "bench" / f"{bundle_name}.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return None
+
+
+def cost_profiles() -> dict:
+    from .latency import PRESETS
+
+    return dict(PRESETS)
+
+
+def project(profile_name: str, B: int, tau: float, hit_rate: float, H: int, verify_x: float = 1.0, draft_x: float = 1.0,
+            packed_x: float = 1.0) -> list:
+    """Model-based per-token latency and speedup of each mode under a cost profile."""
+    from .latency import PRESETS, async_profile, per_token_ms
+
+    if profile_name not in PRESETS:
+        raise ValueError(f"unknown cost profile {profile_name!r}; choose one of {', '.join(PRESETS)}")
+    if not (1.0 <= float(tau) <= B):
+        raise ValueError(f"τ must lie between 1 and the block size {B}")
+    if not 0.0 <= float(hit_rate) <= 1.0:
+        raise ValueError("hit rate must lie between 0 and 1")
+    p = PRESETS[profile_name].scaled(verify=verify_x, draft=draft_x, packed=packed_x)
+    rows = []
+    for m in MODES:
+        pm = async_profile(p) if m == "d3d-async" else p
+        t = per_token_ms(pm, m, B, 1.0 if m == "ar" else float(tau), float(hit_rate), int(H))
+        rows.append({"mode": m, "ms_per_token": t, "speedup": p.t_step_ms / t})
+    return rows
+
+
 _FULL_TAU: dict = {}
 _TAU_LOCK = threading.Lock()
 LIVE_TAU_BLOCK = 8
@@ -191,7 +228,7 @@ def calibration_size(bundle_name: str) -> int:
     return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
 
 
-__all__ = ["offline_tau_live", "calibration_size", 
+__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project", 
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
     "bundle_names", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
 ]

@@ -37,7 +37,20 @@ RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash",
 
 def test_named_endpoints(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/race", "/stop", "/replay", "/rounds", "/pruning_curve", "/measure_pruned", "/download_traces", "/upload_trace"} <= names
+    assert {"/race", "/stop", "/replay", "/rounds", "/pruning_curve", "/measure_pruned", "/download_traces", "/upload_trace", "/project"} <= names
+
+
+def test_projection_endpoint(client):
+    fig, src = client.predict("qwen3-8b on H200 (derived)", 16, 6.0, 0.7, 4, 1.0, 1.0, 1.0, api_name="/project")
+    assert "derived" in src and "Assumptions" in src
+    from d3d_core import service
+
+    with pytest.raises(ValueError, match="hit rate must lie between 0 and 1"):
+        service.project("qwen3-8b on H200 (derived)", 16, 6.0, 2.0, 4)
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="not in the list of choices"):
+        client.predict("no such profile", 16, 6.0, 0.5, 4, 1.0, 1.0, 1.0, api_name="/project")
 
 
 def test_race_streams_and_finishes(client):
