@@ -103,10 +103,10 @@ def test_download_rounds_and_upload_round_trip(client, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"traces": [{"mode": "ar"}]}')
     msg = client.predict(handle_file(str(bad)), api_name="/upload_trace")[0]
-    assert "could not read that trace" in msg and "missing field" in msg
+    assert "Could not read that trace" in msg and "missing field" in msg
     junk = tmp_path / "junk.json"
     junk.write_bytes(b"\xff\xfe not json")
-    assert "could not read that trace" in client.predict(handle_file(str(junk)), api_name="/upload_trace")[0]
+    assert "Could not read that trace" in client.predict(handle_file(str(junk)), api_name="/upload_trace")[0]
 
 
 def test_pruning_endpoints(client):
