@@ -119,7 +119,7 @@ def test_pruning_endpoints(client):
 
 
 def test_stop_endpoint(client):
-    assert "stopping" in client.predict(api_name="/stop")
+    assert "Stopping" in client.predict(api_name="/stop")
 
 
 @pytest.mark.slow
