@@ -144,35 +144,32 @@ def read_traces(data) -> list:
     return traces_from_json(data)
 
 
-def pruning_curve(bundle_name: str) -> Optional[dict]:
-    p = ASSETS / "pruning" / f"{bundle_name}.json"
+def _asset_json(*parts) -> Optional[dict]:
+    """A JSON file shipped under assets/, or None when absent or unreadable."""
+    p = ASSETS.joinpath(*parts)
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
+        d = json.loads(p.read_text())
     except ValueError:
         return None
+    return d if isinstance(d, dict) else None
+
+
+def pruning_curve(bundle_name: str) -> Optional[dict]:
+    """The precomputed progressive-pruning curve (python -m d3d_core.prune), if shipped."""
+    return _asset_json("pruning", f"{bundle_name}.json")
 
 
 def block_sweep(bundle_name: str) -> Optional[dict]:
-    p = ASSETS / "bench" / f"{bundle_name}-block-sweep.json"
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text()).get("sweep")
-    except ValueError:
-        return None
+    """{mode: {B: {tau, speedup}}} from a shipped block-size sweep, if any."""
+    d = _asset_json("bench", f"{bundle_name}-block-sweep.json")
+    return d.get("sweep") if d else None
 
 
 def bench_result(bundle_name: str) -> Optional[dict]:
     """The measured bench table shipped for the bundle (assets/bench/<bundle>.json), if any."""
-    p = ASSETS / "bench" / f"{bundle_name}.json"
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except ValueError:
-        return None
+    return _asset_json("bench", f"{bundle_name}.json")
 
 
 def cost_profiles() -> dict:

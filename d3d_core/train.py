@@ -245,7 +245,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             else:
                 loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg)
             (loss / cfg.accum).backward()
-            tot += float(loss) / cfg.accum
+            tot += float(loss.detach()) / cfg.accum
             bl += b / cfg.accum
             arl += a / cfg.accum
             tokens_seen += len(anchors) * cfg.block_size

@@ -1,6 +1,11 @@
 import os
+import runpy
+import socket
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,3 +36,23 @@ def smollm():
     from d3d_core.bundles import get_bundle
 
     return get_bundle("smollm2-135m")
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+@pytest.fixture(scope="module")
+def app_server():
+    """`demo` from app.py, launched on a free loopback port for this test module: (demo, url)."""
+    demo = runpy.run_path(str(ROOT / "app.py"), run_name="d3d_app")["demo"]
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=False)
+    try:
+        yield demo, f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()

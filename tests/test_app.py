@@ -1,34 +1,17 @@
 """The app through gradio_client against a launched `demo` (toy bundle: fast and exact)."""
 
 import json
-import runpy
-import socket
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(app_server):
     from gradio_client import Client
 
-    demo = runpy.run_path(str(ROOT / "app.py"), run_name="d3d_app")["demo"]
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=False)
-    try:
-        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
-    finally:
-        demo.close()
+    return Client(app_server[1], verbose=False)
 
 
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash", "d3d-seq", "d3d-async"], block_size=4,

@@ -4,8 +4,6 @@ $D3D_SCREENSHOTS (default: tests/screenshots, git-ignored)."""
 
 import os
 import re
-import runpy
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,21 +16,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 @pytest.fixture(scope="module")
-def server():
-    demo = runpy.run_path(str(ROOT / "app.py"), run_name="d3d_app")["demo"]
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=False)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+def server(app_server):
+    return app_server[1]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +63,7 @@ def test_race_and_every_tab(server, page):
     assert page.locator(".tok.bonus").count() > 0
     _shot(page, "1-race")
     for tab, name in (("Rounds", "2-rounds"), ("Timeline", "3-timeline"), ("Acceptance", "4-acceptance"),
-                      ("Pruning", "5-pruning"), ("How it works", "6-explain")):
+                      ("Pruning", "5-pruning"), ("Benchmarks", "5b-benchmarks"), ("How it works", "6-explain")):
         page.get_by_role("tab", name=tab).click()
         page.wait_for_timeout(1500)
         n = page.locator(".js-plotly-plot:visible").count()

@@ -2,8 +2,6 @@
 
 import json
 import os
-import runpy
-import socket
 import statistics
 import subprocess
 import sys
@@ -12,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from d3d_core.config import DecodeConfig
 from d3d_core.engine import decode
@@ -22,21 +21,9 @@ RACE = dict(prompt="what is two plus two?", bundle="toy", modes=list(MODES), blo
             hypotheses=8, sampling="match", seed=0, use_pruned=False)
 
 
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 @pytest.fixture(scope="module")
-def server():
-    demo = runpy.run_path(str(ROOT / "app.py"), run_name="d3d_app")["demo"]
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, show_error=False)
-    yield demo, f"http://127.0.0.1:{port}/"
-    demo.close()
+def server(app_server):
+    return app_server
 
 
 def _client(url):
@@ -336,7 +323,7 @@ def test_no_outbound_connections_no_pickle_no_stray_files(tmp_path):
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("TRANSFORMERS_OFFLINE", None)
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, str(script), str(ROOT), str(_free_port())], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, str(script), str(ROOT), str(free_port())], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\noutbound-connection audit: {len(res['attempts'])} attempts {res['attempts'][:5]}; took {time.perf_counter() - t:.0f} s; files: {res['codes']}")
