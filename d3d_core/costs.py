@@ -57,7 +57,7 @@ def probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8), c
     dcache = d3d.new_cache()
     d3d_prefill(d3d, dcache, ctx.tolist())
     fcache = dfl.new_cache()
-    feats = torch.randn(1, ctx_len, len(dfl.cfg.target_layer_ids) * target.arch.hidden_size, generator=g).to(dfl.dtype)
+    feats = torch.randn(1, ctx_len, len(dfl.cfg.target_layer_ids) * target.arch.hidden_size, generator=g).to(device=dfl.device, dtype=dfl.dtype)
     dfl.extend_context(fcache, feats)
     res["d3d_draft_ms"], res["dflash_draft_ms"], res["packed_ms"] = {}, {}, {}
     for B in [b for b in block_sizes if b >= 2]:

@@ -333,7 +333,8 @@ def _run(bundle, trace: Trace, cfg: DecodeConfig, drafter, lanes: Lanes, is_canc
         elif mode == "d3d-async":
             pr = packed.result()
             n_draft_fwd += 1
-            drafter.commit_kv(d_cache, pr.new_kv, a + 1)  # x_s, d_1..d_a are committed now
+            with lanes.drafter_ctx():  # every drafter-cache op stays on the drafter's stream (CUDA ordering)
+                drafter.commit_kv(d_cache, pr.new_kv, a + 1)  # x_s, d_1..d_a are committed now
             rd.hit = False
             for (ha, ht, hs), hd in zip(pr.hyps, pr.drafts):
                 hit = ha == a and ht == bonus
