@@ -369,6 +369,6 @@ def projection_figure(rows: list, profile_name: str, tau: float, hit_rate: float
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"))
     fig.update_layout(
         title=f"MODEL-BASED projection · {profile_name} · B={B}, τ={tau:.2f}, hit rate={hit_rate:.0%}, H={H}",
-        yaxis=dict(title="projected speedup vs ar"), height=380, **LAYOUT,
+        yaxis=dict(title="projected speedup vs ar", range=[0, max(r["speedup"] for r in rows) * 1.18]), height=380, **LAYOUT,
     )
     return fig
