@@ -15,6 +15,7 @@ differs between modes is only *when* and *how* the block is drafted:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -192,18 +193,10 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     )
     lanes = Lanes(device, concurrent)
     try:
-        with cpu_threads(threads) if device.type == "cpu" else _null():
+        with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
             yield from _run(bundle, trace, cfg, drafter, lanes, is_cancelled)
     finally:
         lanes.close()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _run(bundle, trace: Trace, cfg: DecodeConfig, drafter, lanes: Lanes, is_cancelled) -> Iterator[Trace]:
