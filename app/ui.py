@@ -127,6 +127,11 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     ran = [m for m in MODES if m in state["traces"]]
     stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
+    untrained = [k for k, v in info["drafters"].items() if str(v).startswith("untrained")]
+    if untrained and any(m != "ar" for m in ran):
+        status += (f" · note: the {' and '.join(untrained)} drafter(s) of this bundle are untrained (initialised from "
+                   "target layers), so drafts are rarely accepted and drafting modes run slower than ar; "
+                   "the tokens are still exactly ar's")
     tl, summ, acc = _plots(state)
     pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else None)
     yield (status, *_columns(state), state, tl, summ, acc,
