@@ -114,7 +114,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             now = time.perf_counter()
             if done or now - last >= STREAM_EVERY_S:
                 last = now
-                state["pieces"].update(service.pieces(bundle, [tr]))
+                state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
                 yield (f"Running `{mode}`{note} on {info['description']} (target attention: {info['attention']}) …", *_columns(state, None if done else mode),
                        state, no, no, no, no, no)
     except ValueError as e:

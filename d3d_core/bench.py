@@ -179,7 +179,7 @@ def item_ids(bundle, it, base: DecodeConfig) -> list:
     msgs = [dict(m) for m in it.messages]
     if it.meta.get("needs_first_answer"):
         first = decode(bundle, bundle.tokenizer.encode_messages(msgs[:1]), base.with_(mode="ar"))
-        msgs[1]["content"] = bundle.tokenizer.tok.decode(first.output_ids, skip_special_tokens=True) if hasattr(bundle.tokenizer, "tok") else first.output_text
+        msgs[1]["content"] = bundle.tokenizer.decode(first.output_ids, skip_special=True)
     return bundle.tokenizer.encode_messages(msgs)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import ArchConfig, DFlashDrafter, DrafterConfig, SharedParts
+from .drafters import ArchConfig, DFlashDrafter, DrafterConfig, SharedParts, evenly_spaced
 
 # names of weights that belong to other DFlash variants (e.g. DFlash2) we do not implement
 UNSUPPORTED_PREFIXES = ("candidate_selector.", "attention_conv", "mlp_conv")
@@ -26,8 +26,7 @@ def build_target_layer_ids(num_target_layers: int, n: int) -> tuple:
     """DFlash's choice when a config names no layers: n layers evenly over [1, L-3]."""
     if n == 1:
         return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
-    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+    return evenly_spaced(n, 1, num_target_layers - 3)
 
 
 def read_zlab_config(path: Path) -> dict:

@@ -32,6 +32,13 @@ import torch.nn.functional as F
 NEG_INF = -1e9  # additive mask value; finite so fully-masked rows never produce NaN
 
 
+def additive_mask(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
+    """bool (N, K) "may attend" -> float additive mask (1, 1, N, K): 0 or NEG_INF.
+    Float, not bool: a bool mask is silently wrong with some kernels (DESIGN §6)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, NEG_INF)
+    return mask.to(device)[None, None]
+
+
 # ----------------------------------------------------------------------------- configs
 
 
@@ -289,6 +296,13 @@ class _DrafterBase(nn.Module):
     def active_layers(self):
         return [i for i in range(self.cfg.num_layers) if i not in self.skip]
 
+    def block_embeddings(self, anchor_ids: list, block_len: int) -> torch.Tensor:
+        """[anchor, MASK x (L-1)] per block -> (nb * L, H) input embeddings."""
+        a_emb = self.shared.embed_tokens(torch.tensor(anchor_ids, dtype=torch.long, device=self.device))  # (nb, H)
+        x = self.mask_embedding.to(a_emb.dtype).expand(len(anchor_ids), block_len, -1).clone()
+        x[:, 0] = a_emb
+        return x.reshape(len(anchor_ids) * block_len, -1)
+
     def logits(self, h):
         """h: (..., H) final hidden -> (..., V) logits via the shared, frozen LM head."""
         return self.shared.lm_head(self.norm(h))
@@ -337,14 +351,9 @@ class D3DDrafter(_DrafterBase):
         C, L, T = ctx_ids.shape[0], block_len, cache_len
         nb = len(blocks)
         N = C + nb * L
-        emb = self.shared.embed_tokens
-        anchors = torch.tensor([b[0] for b in blocks], dtype=torch.long, device=dev)
-        parts = [emb(ctx_ids.to(dev))] if C else []
+        parts = [self.shared.embed_tokens(ctx_ids.to(dev))] if C else []
         if nb:
-            a_emb = emb(anchors)  # (nb, H)
-            blk = self.mask_embedding.to(a_emb.dtype).expand(nb, L, -1).clone()
-            blk[:, 0] = a_emb
-            parts.append(blk.reshape(nb * L, -1))
+            parts.append(self.block_embeddings([b[0] for b in blocks], L))
         x = torch.cat(parts, dim=0)[None]  # (1, N, H)
 
         pos = torch.empty(N, dtype=torch.long)
@@ -357,9 +366,7 @@ class D3DDrafter(_DrafterBase):
             pos[r : r + L] = torch.arange(T + n_vis, T + n_vis + L)
             allowed[r : r + L, T : T + n_vis] = True  # context prefix up to the anchor
             allowed[r : r + L, T + r : T + r + L] = True  # bidirectional inside the block
-        mask = torch.zeros(N, T + N, dtype=self.dtype)
-        mask.masked_fill_(~allowed, NEG_INF)
-        return x, pos.to(dev), mask.to(dev)[None, None]
+        return x, pos.to(dev), additive_mask(allowed, self.dtype, dev)
 
     def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int):
         """Run context + blocks in one forward.
@@ -426,25 +433,26 @@ class DFlashDrafter(_DrafterBase):
             cache.append(i, k, v)
 
     def forward_blocks(self, cache: KVCache, blocks: list, block_len: int):
-        """blocks: list of anchor ids, all anchored at position len(cache) (the context
-        ends right before the anchor). Returns h (nb, L, H)."""
+        """Decode: blocks (anchor ids) all anchored at position len(cache), each seeing the
+        whole cached context. Returns h (nb, L, H)."""
         T = len(cache)
+        return self.forward_anchored(cache.get, T, [(a, T) for a in blocks], block_len)
+
+    def forward_anchored(self, past, T: int, blocks: list, block_len: int):
+        """The block pass. past(i) -> (k, v) of T context positions for layer i; blocks:
+        [(anchor_id, pos)] — block [anchor, MASK x (L-1)] at positions pos.., seeing the
+        context before pos and itself, never another block. Returns h (nb, L, H)."""
         nb, L = len(blocks), block_len
-        emb = self.shared.embed_tokens
-        a_emb = emb(torch.tensor(blocks, dtype=torch.long, device=self.device))
-        x = self.mask_embedding.to(a_emb.dtype).expand(nb, L, -1).clone()
-        x[:, 0] = a_emb
-        x = x.reshape(1, nb * L, -1)
-        pos = torch.arange(T, T + L, device=self.device).repeat(nb)
+        x = self.block_embeddings([a for a, _ in blocks], L)[None]  # (1, nb*L, H)
+        pos = torch.cat([torch.arange(p, p + L) for _, p in blocks]).to(self.device)
         allowed = torch.zeros(nb * L, T + nb * L, dtype=torch.bool)
-        allowed[:, :T] = True
-        for b in range(nb):
+        for b, (_, p) in enumerate(blocks):
+            allowed[b * L : (b + 1) * L, :p] = True
             allowed[b * L : (b + 1) * L, T + b * L : T + (b + 1) * L] = True
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, NEG_INF)
-        mask = mask.to(self.device)[None, None]
+        mask = additive_mask(allowed, self.dtype, self.device)
         cos, sin = self.shared.rope(pos, x)
         for i in self.active_layers():
-            x, _ = self.layers[i](x, cos, sin, cache.get(i), mask)
+            x, _ = self.layers[i](x, cos, sin, past(i), mask)
         return x[0].view(nb, L, -1)
 
     def new_cache(self) -> KVCache:

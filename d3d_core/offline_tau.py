@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import D3DDrafter, DFlashDrafter, NEG_INF
+from .drafters import D3DDrafter, DFlashDrafter
 
 
 @dataclass
@@ -61,25 +61,10 @@ def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list,
     """(n_anchors, B-1, V) with gradients (training uses it too). feats: (1, T, n*H)."""
     T = len(ids)
     f = drafter.fuse(feats)  # (1, T, H)
-    pos_c = torch.arange(T, device=drafter.device)
-    cos_c, sin_c = drafter.shared.rope(pos_c, f)
-    nb, L = len(anchors), B
-    emb = drafter.shared.embed_tokens
-    x = drafter.mask_embedding.to(f.dtype).expand(nb, L, -1).clone()
-    x[:, 0] = emb(torch.tensor([ids[p] for p in anchors], device=drafter.device))
-    x = x.reshape(1, nb * L, -1)
-    pos = torch.cat([torch.arange(p, p + L) for p in anchors]).to(drafter.device)
-    cos, sin = drafter.shared.rope(pos, x)
-    allowed = torch.zeros(nb * L, T + nb * L, dtype=torch.bool)
-    for b, p in enumerate(anchors):
-        allowed[b * L : (b + 1) * L, :p] = True
-        allowed[b * L : (b + 1) * L, T + b * L : T + (b + 1) * L] = True
-    mask = torch.zeros(allowed.shape, dtype=f.dtype).masked_fill_(~allowed, NEG_INF).to(drafter.device)[None, None]
-    for i in drafter.active_layers():
-        layer = drafter.layers[i]
-        k, v = layer.self_attn.project_kv(f, cos_c, sin_c)
-        x, _ = layer(x, cos, sin, (k, v), mask)
-    h = x[0].view(nb, L, -1)
+    cos_c, sin_c = drafter.shared.rope(torch.arange(T, device=drafter.device), f)
+    # every layer's context K/V comes from the same fused features (what extend_context caches)
+    past = lambda i: drafter.layers[i].self_attn.project_kv(f, cos_c, sin_c)  # noqa: E731
+    h = drafter.forward_anchored(past, T, [(ids[p], p) for p in anchors], B)
     return drafter.logits(h[:, 1:]).float()
 
 

@@ -112,8 +112,9 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
         yield m, tr, True
 
 
-def pieces(bundle_name: str, traces: list) -> dict:
-    """Readable text of every token id that appears in the traces."""
+def pieces(bundle_name: str, traces: list, known: Optional[dict] = None) -> dict:
+    """Readable text of every token id that appears in the traces and is not in ``known``
+    (a streaming UI passes what it already has, so each id is decoded once per run)."""
     b = get_bundle(bundle_name)
     ids = set()
     for t in traces:
@@ -131,7 +132,8 @@ def pieces(bundle_name: str, traces: list) -> dict:
                 ids.add(h.token)
                 ids.update(h.draft_ids)
     V = b.target.arch.vocab_size
-    ids = sorted(i for i in ids if 0 <= i < V)
+    known = known or {}
+    ids = sorted(i for i in ids if 0 <= i < V and i not in known)
     return dict(zip(ids, b.tokenizer.token_strings(ids)))
 
 

@@ -58,8 +58,8 @@ class HFChatTokenizer:
         s = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
         return self.tok.encode(s, add_special_tokens=False)
 
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_strings(self, ids) -> list:
         """Readable text of each token (byte-level pieces decoded one by one)."""
@@ -85,8 +85,9 @@ class CharTokenizer:
     def encode_messages(self, messages: list) -> list:
         return self.encode_prompt(" ".join(m["content"] for m in messages))
 
-    def decode(self, ids) -> str:
-        return "".join(self.itos[i] if 0 <= i < len(self.itos) else "?" for i in ids)
+    def decode(self, ids, skip_special: bool = False) -> str:
+        first = len(self.SPECIALS) if skip_special else 0
+        return "".join(self.itos[i] if 0 <= i < len(self.itos) else "?" for i in ids if not 0 <= i < first)
 
     def token_strings(self, ids) -> list:
         return [self.itos[i] if 0 <= i < len(self.itos) else "?" for i in ids]

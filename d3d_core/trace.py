@@ -120,32 +120,15 @@ class Trace:
 
     @classmethod
     def from_json(cls, text) -> "Trace":
-        if isinstance(text, (bytes, bytearray)):
-            if len(text) > MAX_TRACE_BYTES:
-                raise TraceError(f"trace file is too large ({len(text)} bytes, limit {MAX_TRACE_BYTES})")
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TraceError(f"trace file is not UTF-8 text: {e}") from None
-        if not isinstance(text, str):
-            raise TraceError("trace must be JSON text")
-        if len(text) > MAX_TRACE_BYTES:
-            raise TraceError(f"trace file is too large ({len(text)} characters, limit {MAX_TRACE_BYTES})")
-        try:
-            d = json.loads(text)
-        except RecursionError:
-            raise TraceError("trace JSON is nested too deeply") from None
-        except ValueError as e:
-            raise TraceError(f"not valid JSON: {e}") from None
-        return _parse_trace(d)
+        return _parse_trace(_read_json(text))
 
 
 def traces_to_json(traces: list, indent: Optional[int] = None) -> str:
     return json.dumps({"traces": [t.to_dict() for t in traces]}, indent=indent, ensure_ascii=False)
 
 
-def traces_from_json(text) -> list:
-    """Read either one trace or {"traces": [...]} (what the app downloads)."""
+def _read_json(text):
+    """Untrusted bytes / text -> parsed JSON, refusing oversize, non-UTF-8 and too-deep input."""
     if isinstance(text, (bytes, bytearray)):
         if len(text) > MAX_TRACE_BYTES:
             raise TraceError(f"trace file is too large ({len(text)} bytes, limit {MAX_TRACE_BYTES})")
@@ -153,14 +136,21 @@ def traces_from_json(text) -> list:
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise TraceError(f"trace file is not UTF-8 text: {e}") from None
-    if not isinstance(text, str) or len(text) > MAX_TRACE_BYTES:
-        raise TraceError("trace must be JSON text under the size limit")
+    if not isinstance(text, str):
+        raise TraceError("trace must be JSON text")
+    if len(text) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace file is too large ({len(text)} characters, limit {MAX_TRACE_BYTES})")
     try:
-        d = json.loads(text)
+        return json.loads(text)
     except RecursionError:
         raise TraceError("trace JSON is nested too deeply") from None
     except ValueError as e:
         raise TraceError(f"not valid JSON: {e}") from None
+
+
+def traces_from_json(text) -> list:
+    """Read either one trace or {"traces": [...]} (what the app downloads)."""
+    d = _read_json(text)
     if isinstance(d, dict) and "traces" in d:
         items = d["traces"]
         if not isinstance(items, list) or not items:

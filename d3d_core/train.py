@@ -87,6 +87,21 @@ def sample_anchors(seq: CalibSeq, n: int, rng: random.Random) -> list:
     return sorted(rng.sample(cand, min(n, len(cand))))
 
 
+def weighted_block_ce(logits: torch.Tensor, ids: list, anchors: list, gamma: float) -> torch.Tensor:
+    """logits (nb, n, V): row k-1 of block b predicts ids[p_b + k]. Cross-entropy weighted
+    w_k = exp(-(k-1)/γ), positions past the end of the sequence ignored."""
+    T, n = len(ids), logits.shape[1]
+    tgt = torch.full((len(anchors), n), -100, dtype=torch.long)
+    for b, p in enumerate(anchors):
+        for k in range(1, n + 1):
+            if p + k < T:
+                tgt[b, k - 1] = ids[p + k]
+    w = block_weights(n, n, gamma)[None].expand(len(anchors), n)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
+    wf = w.reshape(-1) * (tgt.reshape(-1) != -100).float()
+    return (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+
+
 def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random):
     """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context."""
     ids = seq.ids
@@ -94,16 +109,7 @@ def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig
     ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
     h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
     logits = drafter.logits(hb[:, 1:]).float()  # (nb, B, V): predicts p+1 .. p+B
-    tgt = torch.full((len(anchors), B), -100, dtype=torch.long)
-    for b, p in enumerate(anchors):
-        for k in range(1, B + 1):
-            if p + k < T:
-                tgt[b, k - 1] = ids[p + k]
-    w = block_weights(B, B, cfg.gamma)[None].expand(len(anchors), B)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
-    valid = (tgt.reshape(-1) != -100).float()
-    wf = w.reshape(-1) * valid
-    block = (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+    block = weighted_block_ce(logits, ids, anchors, cfg.gamma)
     ar = torch.zeros(())
     if cfg.ar_lambda > 0:
         P = len(seq.prompt_ids)
@@ -122,15 +128,7 @@ def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cf
     with torch.no_grad():
         feats = target_features(drafter, target, ids).clone()  # inference tensors cannot enter autograd
     logits = dflash_anchor_logits(drafter, feats, ids, anchors, B).float()  # (nb, B-1, V)
-    tgt = torch.full((len(anchors), B - 1), -100, dtype=torch.long)
-    for b, p in enumerate(anchors):
-        for k in range(1, B):
-            if p + k < T:
-                tgt[b, k - 1] = ids[p + k]
-    w = block_weights(B, B - 1, cfg.gamma)[None].expand(len(anchors), B - 1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
-    wf = w.reshape(-1) * (tgt.reshape(-1) != -100).float()
-    block = (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+    block = weighted_block_ce(logits, ids, anchors, cfg.gamma)
     return block, float(block.detach()), 0.0
 
 

@@ -56,3 +56,15 @@ def app_server():
         yield demo, f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
+
+
+def api_message(client, api_name: str, *args) -> str:
+    """An endpoint's status text (first output), or the message of an error Gradio raised
+    itself (e.g. slider bounds) — never a traceback."""
+    from gradio_client.exceptions import AppError
+
+    try:
+        out = client.predict(*args, api_name=api_name)
+        return out[0] if isinstance(out, (list, tuple)) else out
+    except AppError as e:
+        return "AppError: " + str(e)

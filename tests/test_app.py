@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import api_message
 
 
 
@@ -46,21 +47,11 @@ def test_race_streams_and_finishes(client):
         assert "done: 32 tokens" in c
 
 
-def _race_message(client, **kw) -> str:
-    """The status line, or the message of the error Gradio raised itself (slider bounds)."""
-    from gradio_client.exceptions import AppError
-
-    try:
-        return client.predict(*dict(RACE, **kw).values(), api_name="/race")[0]
-    except AppError as e:
-        return str(e)
-
-
 def test_race_bad_input_gives_message(client):
     for key, bad, msg in [("prompt", "   ", "prompt is empty"), ("prompt", "x" * 5000, "prompt is too long"),
                           ("block_size", 40, "greater than maximum value 16"), ("hypotheses", 99, "greater than maximum value 32"),
                           ("modes", [], "at least one mode"), ("temperature", -1, "less than minimum value 0")]:
-        m = _race_message(client, **{key: bad})
+        m = api_message(client, "/race", *dict(RACE, **{key: bad}).values())
         assert msg in m, (key, m)
         assert "Traceback" not in m
     # the engine's own validation backs up the widgets' bounds (API callers can bypass widgets)

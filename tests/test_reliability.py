@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import api_message, free_port
 
 from d3d_core.config import DecodeConfig
 from d3d_core.engine import decode
@@ -32,17 +32,6 @@ def _client(url):
     return Client(url, verbose=False)
 
 
-def _message(client, api_name, *args):
-    """Status text, or the message of an error Gradio raised itself (never a traceback)."""
-    from gradio_client.exceptions import AppError
-
-    try:
-        out = client.predict(*args, api_name=api_name)
-        return out[0] if isinstance(out, (list, tuple)) else out
-    except AppError as e:
-        return "AppError: " + str(e)
-
-
 # ----------------------------------------------------------------------------- 1. bad input
 
 
@@ -61,11 +50,11 @@ def test_bad_race_inputs_get_messages_and_the_server_keeps_serving(server):
     c = _client(url)
     handled = {}
     for prompt, expect in BAD_RACE_INPUTS["prompt"]:
-        m = _message(c, "/race", *dict(RACE, prompt=prompt).values())
+        m = api_message(c, "/race", *dict(RACE, prompt=prompt).values())
         assert expect in m and "Traceback" not in m, (prompt[:20], m)
         handled["prompt"] = handled.get("prompt", 0) + 1
     for key, val in BAD_RACE_INPUTS["numbers"] + BAD_RACE_INPUTS["names"]:
-        m = _message(c, "/race", *dict(RACE, **{key: val}).values())
+        m = api_message(c, "/race", *dict(RACE, **{key: val}).values())
         assert ("Error" in m or "error" in m or "AppError" in m) and "Traceback" not in m, (key, val, m)
         handled[key] = handled.get(key, 0) + 1
     ok = c.predict(*RACE.values(), api_name="/race")[0]
@@ -124,7 +113,7 @@ def test_hostile_trace_uploads_get_messages(server, tmp_path):
     for name, data in HOSTILE_TRACES.items():
         f = tmp_path / f"{name.replace(' ', '_')}.json"
         f.write_bytes(data)
-        m = _message(c, "/upload_trace", handle_file(str(f)))
+        m = api_message(c, "/upload_trace", handle_file(str(f)))
         assert "Could not read that trace" in m and "Traceback" not in m, (name, m)
     assert c.predict(*RACE.values(), api_name="/race")[0].startswith("**Done**")
     print(f"\nhostile trace uploads handled cleanly: {len(HOSTILE_TRACES)}/{len(HOSTILE_TRACES)}")
