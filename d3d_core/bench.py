@@ -70,7 +70,21 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "overlap": st.overlap,
         "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
         "accepted_hist": _hist([r.accepted for r in trace.rounds]),
+        "span_ms": span_means(trace.spans),
     }
+
+
+def span_means(spans) -> dict:
+    """{kind: {"mean": ms, "n": count}} over the decode rounds' spans (prefill excluded): the
+    costs this run actually paid, which the latency model's in-run check uses."""
+    acc: dict = {}
+    for sp in spans:
+        if sp.round < 0:
+            continue
+        a = acc.setdefault(sp.kind, [0.0, 0])
+        a[0] += sp.duration
+        a[1] += 1
+    return {k: {"mean": t / n, "n": n} for k, (t, n) in acc.items()}
 
 
 def _hist(xs: list) -> dict:
@@ -320,6 +334,9 @@ def main(argv=None) -> int:
 
         result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
         result["latency_model"] = validate(result)
+    from .latency import validate_in_run
+
+    result["latency_model_in_run"] = validate_in_run(result)
     written = write_outputs(Path(args.out), result)
     print(table_text(summary))
     if "sweep" in result:
@@ -333,6 +350,9 @@ def main(argv=None) -> int:
         print(costs_text(result["costs"]))
         print("\nlatency model vs measured speedup:")
         print(table_text(result["latency_model"], cols=["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]))
+    if result["latency_model_in_run"]:
+        print("\nlatency model with the costs this run paid (span means) vs measured speedup:")
+        print(table_text(result["latency_model_in_run"], cols=["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]))
     print(f"\nwrote {', '.join(str(w) for w in written)} ({result['wall_time_s']:.0f} s, {dist.world} process(es))", file=sys.stderr)
     dist.close()
     return 0

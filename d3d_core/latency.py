@@ -189,3 +189,40 @@ def validate(result: dict, profile: Optional[CostProfile] = None) -> list:
                     "measured_speedup": s["speedup"], "predicted_speedup": pred,
                     "error": (pred - s["speedup"]) / s["speedup"]})
     return out
+
+
+def validate_in_run(result: dict) -> list:
+    """The model's structure checked apart from cost-probe drift: the same formulas, fed with
+    the mean span durations this very run paid (bench rows' ``span_ms``) instead of a separate
+    probe. A small error here and a larger one in :func:`validate` means the probe, not the
+    model, is off. Rows without spans (old results) are skipped."""
+    dec = result["config"]["decode"]
+    rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) in (dec["block_size"], None)]
+
+    def mean_span(rs, kind):
+        t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])
+        n = sum(r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])
+        return t / n if n else None
+
+    out = []
+    for s in result["summary"]:
+        if s["mode"] == "ar" or s.get("speedup") is None or s["dataset"] == "average":
+            continue
+        ds = [r for r in rows if r["dataset"] == s["dataset"]]
+        step = mean_span([r for r in ds if r["mode"] == "ar"], "verify")
+        mine = [r for r in ds if r["mode"] == s["mode"]]
+        verify = mean_span(mine, "verify")
+        if step is None or verify is None:
+            continue
+        hit = s.get("hit_rate") or 0.0
+        if s["mode"] == "d3d-async":
+            packed = mean_span(mine, "packed_draft") or 0.0
+            sync = mean_span(mine, "sync_draft") or mean_span(mine, "draft") or 0.0
+            rnd = max(verify, packed) + (1.0 - hit) * sync
+        else:
+            rnd = (mean_span(mine, "draft") or 0.0) + verify
+        pred = step / (rnd / s["tau"])
+        out.append({"dataset": s["dataset"], "mode": s["mode"], "tau": s["tau"], "hit_rate": s.get("hit_rate"),
+                    "measured_speedup": s["speedup"], "predicted_speedup": pred,
+                    "error": (pred - s["speedup"]) / s["speedup"]})
+    return out

@@ -72,6 +72,24 @@ def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel") -> d
     return max(ok, key=lambda p: p["removed"])
 
 
+def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed: int = 1) -> list:
+    """The target's greedy continuations of n benchmark prompts (round-robin over the seven
+    benchmarks, a different shuffle from the bench's), batched: prompts no calibration saw."""
+    from .datasets import BENCHMARKS, load_benchmark
+    from .distill import generate_batch
+
+    pools = [load_benchmark(b, n, seed=seed, root=root) for b in BENCHMARKS if b != "mt_bench_2turn"]
+    items = [pool[i] for i in range(n) for pool in pools if i < len(pool)][:n]
+    tok = bundle.tokenizer
+    prompts = [tok.encode_messages(it.messages) for it in items]
+    out = []
+    for b in range(0, len(prompts), 8):
+        batch = prompts[b : b + 8]
+        for p, (r, _) in zip(batch, generate_batch(bundle.target, tok, batch, max_new_tokens)):
+            out.append(CalibSeq(list(p), list(r)))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m d3d_core.prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
@@ -79,6 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="distill directory for calibration (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--calib", type=int, default=16, help="calibration sequences")
     ap.add_argument("--eval", type=int, default=16, help="held-out sequences (never used to choose layers)")
+    ap.add_argument("--data-dir", default=None,
+                    help="benchmark prompts (layout of shared/datasets): the held-out sequences are the target's "
+                         "continuations of these, round-robin over the seven benchmarks (default: held-out distill data)")
+    ap.add_argument("--eval-tokens", type=int, default=128, help="continuation length of the benchmark held-out sequences")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--stride", type=int, default=4)
     ap.add_argument("--max-len", type=int, default=384)
@@ -98,8 +120,10 @@ def main(argv=None) -> int:
     if args.drafter:
         drafter = load_drafter(args.drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
-    held = [to_seq(e, args.max_len) for e in ex if is_holdout(e["id"], 2.0)]
-    if len(held) >= args.calib + args.eval:
+    held = [to_seq(e, args.max_len) for e in ex if is_holdout(e["id"], 2.0)]  # never trained on
+    if args.data_dir and len(held) >= args.calib:
+        calib, evals = held[: args.calib], benchmark_continuations(bundle, args.data_dir, args.eval, args.eval_tokens)
+    elif len(held) >= args.calib + args.eval:
         calib, evals = held[: args.calib], held[args.calib : args.calib + args.eval]
     else:  # no distill data: the target's continuations of a few built-in prompts
         seqs = greedy_continuations(bundle, CALIB_PROMPTS, 96)

@@ -58,3 +58,25 @@ def test_validate_against_a_bench_result():
     assert rows["d3d-async"]["predicted_speedup"] == pytest.approx(10 / (23 / 3))
     assert rows["d3d-seq"]["error"] == pytest.approx(rows["d3d-seq"]["predicted_speedup"] / 1.5 - 1)
     assert async_profile(profile_from_probe(costs)).t_verify_ms[8] == 20.0
+
+
+def test_in_run_validation_uses_the_runs_own_span_costs():
+    from d3d_core.latency import validate_in_run
+
+    sp = lambda **kw: {k: {"mean": v, "n": 10} for k, v in kw.items()}  # noqa: E731
+    rows = [
+        {"dataset": "d", "mode": "ar", "block_size": 8, "span_ms": sp(verify=80.0)},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 8, "span_ms": sp(draft=40.0, verify=100.0)},
+        {"dataset": "d", "mode": "d3d-async", "block_size": 8, "span_ms": sp(sync_draft=50.0, packed_draft=90.0, verify=120.0)},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 4, "span_ms": sp(draft=1.0, verify=1.0)},  # sweep row: ignored
+    ]
+    summary = [
+        {"dataset": "d", "mode": "ar", "tau": 1.0, "speedup": 1.0},
+        {"dataset": "d", "mode": "d3d-seq", "tau": 2.8, "speedup": 1.5},
+        {"dataset": "d", "mode": "d3d-async", "tau": 3.0, "speedup": 1.6, "hit_rate": 0.5},
+    ]
+    res = {r["mode"]: r for r in validate_in_run({"config": {"decode": {"block_size": 8}}, "rows": rows, "summary": summary})}
+    assert set(res) == {"d3d-seq", "d3d-async"}
+    assert res["d3d-seq"]["predicted_speedup"] == pytest.approx(80 / (140 / 2.8))  # 1.6
+    assert res["d3d-async"]["predicted_speedup"] == pytest.approx(80 / ((120 + 0.5 * 50) / 3.0))
+    assert res["d3d-seq"]["error"] == pytest.approx((1.6 - 1.5) / 1.5)

@@ -62,3 +62,22 @@ def test_resume_continues_exactly(toy, examples, tmp_path):
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.allclose(p, q, atol=2e-3), n
     assert abs(full["offline_tau"] - resumed["offline_tau"]) < 0.2
+
+
+def test_dflash_feature_cache_gives_the_same_loss(toy, examples):
+    """The cached (fp16) target features give the loss a fresh target forward gives."""
+    import random
+
+    from d3d_core.bundles import BUNDLES, init_drafter
+    from d3d_core.train import dflash_loss
+
+    cfg = replace(PRESETS["toy"], kind="dflash", layers=1)
+    drafter = init_drafter("dflash", toy.target, BUNDLES["toy"], num_layers=1, block_size=cfg.block_size)
+    seq = to_seq(examples[0], cfg.max_len)
+    anchors = sample_anchors(seq, 8, random.Random(0))
+    cache: dict = {}
+    fresh = dflash_loss(drafter, toy.target, seq, anchors, cfg)[1]
+    first = dflash_loss(drafter, toy.target, seq, anchors, cfg, cache, "k")[1]
+    assert list(cache) == ["k"] and cache["k"].dtype == torch.float16
+    second = dflash_loss(drafter, toy.target, seq, anchors, cfg, cache, "k")[1]  # from the cache
+    assert first == pytest.approx(fresh, rel=1e-3) and second == pytest.approx(fresh, rel=1e-3)
