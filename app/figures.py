@@ -357,6 +357,25 @@ def bench_table(result: Optional[dict]) -> pd.DataFrame:
     return df.round(3)
 
 
+def latency_check_table(result: Optional[dict]) -> pd.DataFrame:
+    """Latency model vs the bench's measured speedup, per dataset x mode: predicted from the
+    cost probe (a priori) and from the costs the run itself paid (span means)."""
+    cols = ["dataset", "mode", "measured_speedup", "predicted (cost probe)", "error (probe)",
+            "predicted (run's own costs)", "error (run)"]
+    if not result:
+        return pd.DataFrame(columns=cols)
+    key = lambda r: (r["dataset"], r["mode"])  # noqa: E731
+    probe = {key(r): r for r in result.get("latency_model") or []}
+    run = {key(r): r for r in result.get("latency_model_in_run") or []}
+    rows = []
+    for k in list(probe) + [k for k in run if k not in probe]:
+        a, b = probe.get(k, {}), run.get(k, {})
+        rows.append({"dataset": k[0], "mode": k[1], "measured_speedup": (a or b).get("measured_speedup"),
+                     "predicted (cost probe)": a.get("predicted_speedup"), "error (probe)": a.get("error"),
+                     "predicted (run's own costs)": b.get("predicted_speedup"), "error (run)": b.get("error")})
+    return pd.DataFrame(rows, columns=cols).round(3)
+
+
 def projection_figure(rows: list, profile_name: str, tau: float, hit_rate: float, B: int, H: int) -> go.Figure:
     """Predicted speedup per mode — a model, always labelled as such."""
     if not rows:

@@ -338,6 +338,10 @@ def build_demo() -> gr.Blocks:
             with gr.Tab("Benchmarks", id="benchmarks"):
                 gr.Markdown("**Measured** on this machine by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, lossless rate, hit rate, overlap):")
                 b_table = gr.Dataframe(figures.bench_table(service.bench_result(service.DEFAULT_BUNDLE)), label="Measured (bench command)", interactive=False)
+                gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
+                            "with the separately probed costs and with the costs the run itself paid (mean span times). "
+                            "The error is (predicted − measured) / measured.")
+                gr.Dataframe(figures.latency_check_table(service.bench_result(service.DEFAULT_BUNDLE)), label="Model vs measured speedup", interactive=False)
                 gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
                             "max(T_verify, T_packed) + miss rate × T_draft, per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")

@@ -226,3 +226,52 @@ def validate_in_run(result: dict) -> list:
                     "measured_speedup": s["speedup"], "predicted_speedup": pred,
                     "error": (pred - s["speedup"]) / s["speedup"]})
     return out
+
+
+def project_bench(result: dict, profiles: Optional[dict] = None, B: Optional[int] = None, H: Optional[int] = None) -> list:
+    """Model-based speedup of every mode under each cost profile, fed with a bench result's
+    measured τ and hit rate (its 'average' rows, or the single dataset's)."""
+    profiles = profiles or PRESETS
+    dec = result["config"]["decode"]
+    B, H = B or dec["block_size"], H or dec["hypotheses"]
+    rows = [s for s in result["summary"] if s["dataset"] == "average"] or result["summary"]
+    out = []
+    for name, p in profiles.items():
+        for s in rows:
+            if s["mode"] == "ar":
+                continue
+            q = async_profile(p) if (s["mode"] == "d3d-async" and p.measured) else p
+            out.append({"profile": name, "mode": s["mode"], "B": B, "H": H, "tau": s["tau"], "hit_rate": s.get("hit_rate"),
+                        "projected_speedup": speedup(q, s["mode"], B, s["tau"], s.get("hit_rate") or 0.0, H)})
+    return out
+
+
+def main(argv=None) -> int:
+    """python -m d3d_core.latency BENCH.json: project a measured bench onto every cost profile."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.latency", description="Project a bench result's measured τ and hit "
+                                 "rate onto every cost profile (model-based, not measured).")
+    ap.add_argument("bench", help="a bench JSON (python -m d3d_core.bench --out …)")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--hypotheses", type=int, default=None)
+    args = ap.parse_args(argv)
+    try:
+        result = json.loads(open(args.bench).read())
+        rows = project_bench(result, B=args.block_size, H=args.hypotheses)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot read bench result {args.bench}: {e}", file=sys.stderr)
+        return 2
+    from .bench import table_text
+
+    print("MODEL-BASED projection (measured τ / hit rate, cost profiles from latency.PRESETS):")
+    print(table_text(rows, cols=["profile", "mode", "B", "H", "tau", "hit_rate", "projected_speedup"]))
+    for name, p in PRESETS.items():
+        print(f"\n{name}\n  source: {p.source}\n  assumptions: {p.assumptions}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -135,3 +135,16 @@ def test_spaces_duration_is_sized_from_the_request():
     assert race_duration("p", "b", ["ar"], 8, 0, 10_000) == 300
     f = lambda: 1  # noqa: E731
     assert maybe_gpu(f) is f  # `spaces` is not installed here: the handler is left as it is
+
+
+def test_bench_and_latency_check_tables():
+    res = {
+        "summary": [{"dataset": "gsm8k", "mode": "d3d-seq", "n": 2, "tau": 2.5, "tokens_per_s": 15.0, "speedup": 1.2,
+                     "lossless_rate": 1.0, "hit_rate": None, "overlap": 0.0}],
+        "latency_model": [{"dataset": "gsm8k", "mode": "d3d-seq", "measured_speedup": 1.2, "predicted_speedup": 1.5, "error": 0.25}],
+        "latency_model_in_run": [{"dataset": "gsm8k", "mode": "d3d-seq", "measured_speedup": 1.2, "predicted_speedup": 1.26, "error": 0.05}],
+    }
+    assert list(figures.bench_table(res)["speedup"]) == [1.2]
+    t = figures.latency_check_table(res)
+    assert t.iloc[0]["error (probe)"] == 0.25 and t.iloc[0]["error (run)"] == 0.05
+    assert figures.latency_check_table(None).empty and figures.bench_table(None).empty

@@ -80,3 +80,14 @@ def test_in_run_validation_uses_the_runs_own_span_costs():
     assert res["d3d-seq"]["predicted_speedup"] == pytest.approx(80 / (140 / 2.8))  # 1.6
     assert res["d3d-async"]["predicted_speedup"] == pytest.approx(80 / ((120 + 0.5 * 50) / 3.0))
     assert res["d3d-seq"]["error"] == pytest.approx((1.6 - 1.5) / 1.5)
+
+
+def test_project_bench_uses_measured_tau_per_profile():
+    from d3d_core.latency import project_bench
+
+    res = {"config": {"decode": {"block_size": 8, "hypotheses": 4}},
+           "summary": [{"dataset": "average", "mode": "ar", "tau": 1.0},
+                       {"dataset": "average", "mode": "d3d-seq", "tau": 3.0, "hit_rate": None}]}
+    p = PRESETS["qwen3-8b on H200 (derived)"]
+    rows = project_bench(res, {"h200": p})
+    assert len(rows) == 1 and rows[0]["projected_speedup"] == pytest.approx(speedup(p, "d3d-seq", 8, 3.0))
