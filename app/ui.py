@@ -104,8 +104,8 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         gr.Warning(str(e))
         yield (f"**Error:** {e}", *[no] * 4, state, no, no, no, no, no)
         return
-    skip = list(state.get("skip") or []) if use_pruned else []
-    note = f" with D3D layers {skip} skipped" if skip else ""
+    skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
+    note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
     last = 0.0
     gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel)
     try:
@@ -192,8 +192,13 @@ def load_pruning(bundle, state):
     except (ValueError, FileNotFoundError, OSError) as e:
         return gr.skip(), f"**Error:** {e}", gr.skip(), gr.skip(), state
     curve = service.pruning_curve(bundle)
-    state["skip"] = []
-    return (gr.update(choices=choices, value=choices), "Toggle layers off, then the offline τ is re-measured.",
+    default_skip = service.bundle_summary(bundle)["d3d_default_skip"]
+    state["skip"] = list(default_skip)
+    hint = "Toggle layers off, then the offline τ is re-measured."
+    if default_skip:
+        hint += (f" The bundle's default D3D drafter is already pruned: layer(s) {default_skip} are skipped "
+                 "(the greedy pruning kept ≥ 99 % of τ on held-out prompts without them).")
+    return (gr.update(choices=choices, value=[c for i, c in enumerate(choices) if i not in default_skip]), hint,
             figures.pruning_curve_figure(curve), figures.marginal_cost_figure(curve), state)
 
 
@@ -214,7 +219,7 @@ def measure_pruned(bundle, active, state):
     curve = service.pruning_curve(bundle)
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
            f"({tau / full:.1%} of the full drafter's {full:.3f}) · measured in {time.perf_counter() - t0:.1f} s "
-           f"on {service.calibration_size(bundle)} calibration anchors. Tick *use the pruned drafter* in the Race tab to race it.")
+           f"on {service.calibration_size(bundle)} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
 
 
@@ -302,7 +307,7 @@ def build_demo() -> gr.Blocks:
                         with gr.Row():
                             sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
                             seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
-                        use_pruned = gr.Checkbox(value=False, label="use the pruned D3D drafter (Pruning tab)")
+                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")

@@ -89,6 +89,8 @@ class DrafterConfig:
     skip_layers: tuple = ()  # pruned layers: their residual stream passes through
     mask_token_id: Optional[int] = None  # dflash checkpoints may name a vocab mask token
     training: dict = field(default_factory=dict)  # how it was trained (data, steps, offline tau)
+    # token ids the drafter may draft (empty = the whole vocabulary); see _DrafterBase.logits
+    vocab_shortlist: tuple = ()
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -98,8 +100,8 @@ class DrafterConfig:
     def from_json(cls, d: dict) -> "DrafterConfig":
         d = dict(d)
         arch = ArchConfig(**d.pop("arch"))
-        for k in ("init_layers", "target_layer_ids", "skip_layers"):
-            d[k] = tuple(d.get(k) or ())
+        for k in ("init_layers", "target_layer_ids", "skip_layers", "vocab_shortlist"):
+            d[k] = tuple(int(x) for x in (d.get(k) or ()))
         return cls(arch=arch, **d)
 
 
@@ -293,6 +295,14 @@ class _DrafterBase(nn.Module):
         c.set_skip_layers(skip)
         return c
 
+    def shortlisted(self, ids) -> "_DrafterBase":
+        """A copy sharing every weight that drafts only from ``ids`` (empty: the whole vocabulary)."""
+        import copy
+
+        c = copy.copy(self)
+        c.set_shortlist(ids)
+        return c
+
     def active_layers(self):
         return [i for i in range(self.cfg.num_layers) if i not in self.skip]
 
@@ -304,8 +314,38 @@ class _DrafterBase(nn.Module):
         return x.reshape(len(anchor_ids) * block_len, -1)
 
     def logits(self, h):
-        """h: (..., H) final hidden -> (..., V) logits via the shared, frozen LM head."""
-        return self.shared.lm_head(self.norm(h))
+        """h: (..., H) final hidden -> (..., V) logits via the shared, frozen LM head.
+
+        With a vocabulary shortlist (and not training) only the shortlisted rows of the LM head
+        are multiplied — on a CPU the head is about half of a draft's weight reads — and every
+        other token gets -inf: argmax and softmax then range over the shortlist only. That stays
+        lossless: the target still verifies every draft, rejection sampling only needs q > 0 where
+        it drafted, and a token outside the list just cannot be drafted (the bonus can still be it)."""
+        x = self.norm(h)
+        if not self.cfg.vocab_shortlist or self.training:
+            return self.shared.lm_head(x)
+        ids, w = self._shortlist_rows(x)
+        out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
+        out[..., ids] = x @ w.T  # (..., K) scattered into (..., V)
+        return out
+
+    def _shortlist_rows(self, like: torch.Tensor):
+        """(ids, LM-head rows) of the shortlist on like's device / dtype, built once."""
+        key = (like.device, like.dtype, self.cfg.vocab_shortlist)
+        cached = getattr(self, "_short_cache", None)
+        if cached is None or cached[0] != key:
+            ids = torch.tensor(self.cfg.vocab_shortlist, dtype=torch.long, device=like.device)
+            w = self.shared.lm_head.weight.detach()[ids.to(self.shared.lm_head.weight.device)].to(like.device, like.dtype)
+            cached = (key, ids, w.contiguous())
+            object.__setattr__(self, "_short_cache", cached)  # not a parameter: never saved or trained
+        return cached[1], cached[2]
+
+    def set_shortlist(self, ids) -> None:
+        ids = tuple(sorted(set(int(i) for i in ids)))
+        bad = [i for i in ids if not 0 <= i < self.cfg.arch.vocab_size]
+        if bad:
+            raise ValueError(f"shortlist ids {bad[:5]} out of range 0..{self.cfg.arch.vocab_size - 1}")
+        self.cfg = replace(self.cfg, vocab_shortlist=ids)
 
     def save(self, path) -> None:
         from safetensors.torch import save_file

@@ -90,17 +90,19 @@ def bundle_summary(name: str) -> dict:
         "target_layers": b.target.num_layers,
         "d3d_layers": d3d.cfg.num_layers,
         "d3d_init_layers": list(d3d.cfg.init_layers),
+        "d3d_default_skip": list(d3d.cfg.skip_layers),  # a shipped pruned default skips these
         "drafters": dict(b.drafter_info),
     }
 
 
-def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=(), cancel: Optional[threading.Event] = None) -> Iterator[tuple]:
+def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None) -> Iterator[tuple]:
     """Run the modes one after another (fair timings on a shared CPU) and stream
     (mode, trace, done) after every round. A cancel stops the current mode within a round
-    and skips the rest."""
+    and skips the rest. ``skip_layers``: None races the bundle's default D3D drafter (which
+    may be a shipped pruned one); a list races the drafter with exactly those layers skipped."""
     b = get_bundle(bundle_name)
     d3d = b.drafter("d3d")
-    if skip_layers:
+    if skip_layers is not None:
         d3d = d3d.pruned(skip_layers)
     for m in check_modes(modes):
         if cancel is not None and cancel.is_set():
@@ -206,8 +208,8 @@ LIVE_TAU_BLOCK = 8
 
 
 def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
-    """(offline τ with these D3D layers skipped, τ of the full drafter) on the bundle's
-    small calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
+    """(offline τ with these D3D layers skipped, τ with every layer) on the bundle's small
+    calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
     from .offline_tau import calibration_set, offline_tau
 
     b = get_bundle(bundle_name)
@@ -215,7 +217,7 @@ def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
     seqs = calibration_set(b)
     with _TAU_LOCK:
         if bundle_name not in _FULL_TAU:
-            _FULL_TAU[bundle_name] = offline_tau(d, seqs, B=LIVE_TAU_BLOCK, stride=2)
+            _FULL_TAU[bundle_name] = offline_tau(d.pruned([]), seqs, B=LIVE_TAU_BLOCK, stride=2)
     full = _FULL_TAU[bundle_name]
     tau = offline_tau(d.pruned(skip_layers), seqs, B=LIVE_TAU_BLOCK, stride=2) if skip_layers else full
     return tau, full

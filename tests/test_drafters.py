@@ -1,5 +1,6 @@
 """Drafter building blocks: save/load, initialisation, pruning switches."""
 
+import pytest
 import torch
 
 from d3d_core.bundles import BUNDLES, init_drafter
@@ -55,3 +56,24 @@ def test_qwen3_drafter_has_qk_norm(toy_qwen3):
     d = toy_qwen3.drafter("d3d")
     assert d.layers[0].self_attn.q_norm is not None
     assert toy_qwen3.target.arch.qk_norm
+
+
+def test_build_shortlist_keeps_the_most_frequent_and_end_tokens():
+    from d3d_core.offline_tau import CalibSeq
+    from d3d_core.shortlist import build_shortlist, coverage
+
+    ex = [{"response_ids": [5, 5, 5, 7, 7, 9]}, {"response_ids": [5, 7, 11]}]
+    ids = build_shortlist(ex, 2, always=[2])
+    assert ids == (2, 5, 7)
+    assert coverage(ids, [CalibSeq([1], [5, 7, 9, 2])]) == 0.75
+    with pytest.raises(ValueError):
+        build_shortlist(ex, 0)
+
+
+def test_shortlist_round_trips_through_save_and_load(toy, tmp_path):
+    from d3d_core.drafters import load_drafter
+
+    d = toy.drafter("d3d").shortlisted([1, 4, 9])
+    d.save(tmp_path / "d")
+    back = load_drafter(tmp_path / "d", toy.target.shared, toy.target.arch)
+    assert back.cfg.vocab_shortlist == (1, 4, 9)

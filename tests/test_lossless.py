@@ -53,3 +53,23 @@ def test_real_bundle_all_modes_equal_ar(smollm):
         for mode in MODES[1:]:
             tr = decode(smollm, p, DecodeConfig(mode=mode, max_new_tokens=48, block_size=8))
             assert tr.output_ids == ref.output_ids, (mode, p, tr.output_text, ref.output_text)
+
+
+def test_shortlisted_drafters_stay_lossless(toy):
+    import torch
+
+    V = toy.target.arch.vocab_size
+    keep = list(range(0, V, 3)) + [1]
+    for kind, modes in (("d3d", ("d3d-seq", "d3d-async")), ("dflash", ("dflash",))):
+        d = toy.drafter(kind).shortlisted(keep)
+        h = torch.randn(2, 5, toy.target.arch.hidden_size)
+        full, short = toy.drafter(kind).logits(h), d.logits(h)
+        out = torch.ones(V, dtype=torch.bool)
+        out[sorted(set(keep))] = False
+        assert torch.isinf(short[..., out]).all() and torch.allclose(short[..., ~out], full[..., ~out], atol=1e-5)
+        assert set(short.argmax(-1).flatten().tolist()) <= set(keep)
+        for prompt in PROMPTS:
+            ref = decode(toy, prompt, DecodeConfig(mode="ar", max_new_tokens=30))
+            for mode in modes:
+                tr = decode(toy, prompt, DecodeConfig(mode=mode, max_new_tokens=30), drafter=d)
+                assert tr.output_ids == ref.output_ids, (kind, mode)

@@ -77,3 +77,20 @@ def test_sampling_is_seeded(toy):
     assert a.output_ids == b.output_ids
     others = [decode(toy, "hello", cfg.with_(seed=s)).output_ids for s in range(6, 10)]
     assert any(o != a.output_ids for o in others)  # the seed actually drives sampling
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_shortlisted_drafter_still_samples_the_target_distribution(toy, rule):
+    """A drafter restricted to half the vocabulary (q = 0 elsewhere) keeps the output exact."""
+    V = toy.target.arch.vocab_size
+    d = toy.drafter("d3d").shortlisted(range(0, V, 2))
+    T = 1.0
+    ids = toy.tokenizer.encode_prompt("ab")
+    exact = _exact_second_token_dist(toy, ids, T)
+    n = 600
+    counts: dict = {}
+    for seed in range(n):
+        tr = decode(toy, ids, DecodeConfig(mode="d3d-seq", temperature=T, sampling=rule, seed=seed, max_new_tokens=2, block_size=3,
+                                           stop_at_eos=False), drafter=d)
+        counts[tr.output_ids[1]] = counts.get(tr.output_ids[1], 0) + 1
+    assert _chi2(counts, {i: float(exact[i]) for i in range(exact.shape[0])}, n) > 1e-3

@@ -1,0 +1,79 @@
+"""A vocabulary shortlist for a drafter's LM head (drafting speed on a CPU).
+
+    python -m d3d_core.shortlist --drafter assets/drafters/smollm2-135m/d3d --size 8192
+
+The drafter then scores only the K most frequent tokens of the target's own responses in the
+self-distillation data (plus the end-of-turn tokens) instead of the whole vocabulary: its
+LM-head matmul shrinks V/K times. Decoding stays lossless (see ``_DrafterBase.logits``); what
+it can cost is τ, when the target's next token is not in the list. The command reports the
+held-out coverage and offline τ with and without the list, then writes it into config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def build_shortlist(examples: list, size: int, always=()) -> tuple:
+    """The `size` most frequent response tokens of `examples` (dicts with response_ids),
+    plus `always` (end-of-turn ids must stay draftable)."""
+    if size < 1:
+        raise ValueError("shortlist size must be >= 1")
+    counts = Counter(t for e in examples for t in e["response_ids"])
+    ids = {t for t, _ in counts.most_common(size)} | {int(a) for a in always}
+    return tuple(sorted(ids))
+
+
+def coverage(shortlist, seqs: list) -> float:
+    """Share of the sequences' response tokens that the shortlist contains."""
+    s = set(shortlist)
+    toks = [t for q in seqs for t in q.response_ids]
+    return sum(t in s for t in toks) / len(toks) if toks else 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.shortlist", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors); config.json is rewritten")
+    ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
+    ap.add_argument("--size", type=int, default=8192, help="tokens kept (0 removes the shortlist)")
+    ap.add_argument("--eval", type=int, default=16, help="held-out sequences for coverage / offline τ")
+    ap.add_argument("--dry-run", action="store_true", help="report only, do not write")
+    args = ap.parse_args(argv)
+    from .bundles import get_bundle
+    from .distill import distill_dir, read_examples
+    from .drafters import load_drafter
+    from .offline_tau import offline_tau
+    from .train import is_holdout, to_seq
+
+    bundle = get_bundle(args.bundle)
+    d = Path(args.drafter)
+    drafter = load_drafter(d, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+    ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    train_ex = [e for e in ex if not is_holdout(e["id"], 2.0)]
+    held = [to_seq(e, 384) for e in ex if is_holdout(e["id"], 2.0)][: args.eval]
+    if not train_ex or not held:
+        print("error: no self-distillation data (python -m d3d_core.distill)", file=sys.stderr)
+        return 2
+    ids = build_shortlist(train_ex, args.size, bundle.tokenizer.eos_ids) if args.size else ()
+    kw = dict(B=8, stride=4, target=bundle.target)
+    full = offline_tau(drafter.shortlisted(()), held, **kw)
+    short = offline_tau(drafter.shortlisted(ids), held, **kw) if ids else full
+    cov = coverage(ids, held) if ids else 1.0
+    print(f"shortlist {len(ids) or 'off'}: held-out coverage {cov:.2%}, offline τ {short:.3f} vs {full:.3f} with the whole vocabulary")
+    if not args.dry_run:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["vocab_shortlist"] = list(ids)
+        cfg.setdefault("training", {})["shortlist"] = {"size": len(ids), "heldout_coverage": round(cov, 4),
+                                                        "offline_tau": round(short, 4), "offline_tau_full_vocab": round(full, 4)}
+        (d / "config.json").write_text(json.dumps(cfg))
+        print(f"wrote {d / 'config.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The drafters shipped in assets/ for smollm2-135m: they load as trained, fp16, small, and
+reach an offline τ floor on the shipped calibration set (teacher-forced, a few seconds)."""
+
+import json
+
+import pytest
+
+from d3d_core.bundles import ASSETS
+from d3d_core.offline_tau import calibration_set, offline_tau
+
+pytestmark = pytest.mark.slow
+
+# measured when the drafters were shipped (see the README's training section), minus a margin
+# for float differences between machines: an untrained drafter scores ~1.0 here
+TAU_FLOOR = {"d3d": None, "dflash": None}
+
+
+def test_assets_stay_small():
+    total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
+    assert total < 100 * 2**20, f"assets/ is {total / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("kind", ["d3d", "dflash"])
+def test_shipped_drafter_loads_trained_and_reaches_tau_floor(smollm, kind):
+    d = ASSETS / "drafters" / "smollm2-135m" / kind
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["training"]["steps"] > 0 and cfg["training"]["offline_tau"] > 1.0
+    assert smollm.drafter_info[kind].startswith("trained")
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F16"}
+    drafter = smollm.drafter(kind)
+    if kind == "d3d":
+        drafter = drafter.pruned([])  # every layer: the floor is the unpruned drafter's
+    tau = offline_tau(drafter, calibration_set(smollm), B=8, stride=4, target=smollm.target)
+    assert tau >= TAU_FLOOR[kind], tau
