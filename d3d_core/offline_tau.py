@@ -139,3 +139,72 @@ def calibration_set(bundle, max_new_tokens: int = 96) -> list:
             seqs = greedy_continuations(bundle, CALIB_PROMPTS, max_new_tokens)
         _CALIB[bundle.name] = seqs
         return seqs
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def load_any_drafter(path, bundle):
+    """A drafter from a saved directory (config.json + model.safetensors) or from a training
+    checkpoint directory (ckpt/: state.json + drafter.safetensors)."""
+    import json
+    from pathlib import Path
+
+    from .drafters import DrafterConfig, build_drafter, load_drafter
+
+    p = Path(path)
+    if (p / "ckpt" / "state.json").is_file():
+        p = p / "ckpt"
+    if (p / "state.json").is_file() and (p / "drafter.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        st = json.loads((p / "state.json").read_text())
+        d = build_drafter(DrafterConfig.from_json(st["drafter"]), bundle.target.shared)
+        d.load_state_dict(load_file(str(p / "drafter.safetensors")))
+        return d.to(bundle.device, bundle.target.dtype).eval(), st["step"]
+    return load_drafter(p, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype), None
+
+
+def main(argv=None) -> int:
+    """Offline τ of drafters on fixed held-out sets: the target's continuations of benchmark
+    prompts (no training or calibration saw them), cached under $D3D_CACHE/eval/."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.offline_tau", description=main.__doc__.split("\n")[0])
+    ap.add_argument("drafters", nargs="+", help="drafter directories or training run / checkpoint directories")
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--data-dir", default=None, help="benchmark prompts (layout of shared/datasets)")
+    ap.add_argument("--n", type=int, default=21, help="benchmark prompts, round-robin over the seven")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--stride", type=int, default=2)
+    args = ap.parse_args(argv)
+    from .bundles import cache_dir, get_bundle
+    from .prune import benchmark_continuations
+
+    bundle = get_bundle(args.bundle)
+    f = cache_dir() / "eval" / f"{args.bundle}-n{args.n}-t{args.tokens}.json"
+    if f.is_file():
+        seqs = [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in json.loads(f.read_text())]
+    else:
+        from .datasets import data_dir
+
+        seqs = benchmark_continuations(bundle, str(data_dir(args.data_dir)), args.n, args.tokens)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
+    print(f"{len(seqs)} held-out sequences ({f}), B={args.block_size}, stride {args.stride}")
+    for path in args.drafters:
+        try:
+            d, step = load_any_drafter(path, bundle)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{path}: cannot load ({e})", file=sys.stderr)
+            continue
+        t = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target)
+        print(f"{t:.3f}  {d.cfg.kind} {len(d.active_layers())}L" + (f" step {step}" if step is not None else "") + f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

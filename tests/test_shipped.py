@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 # measured when the drafters were shipped (see the README's training section), minus a margin
 # for float differences between machines: an untrained drafter scores ~1.0 here
-TAU_FLOOR = {"d3d": None, "dflash": None}
+TAU_FLOOR = {"d3d": 1.75, "dflash": 1.3}
 
 
 def test_assets_stay_small():
