@@ -197,7 +197,7 @@ def validate_in_run(result: dict) -> list:
     probe. A small error here and a larger one in :func:`validate` means the probe, not the
     model, is off. Rows without spans (old results) are skipped."""
     dec = result["config"]["decode"]
-    rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) in (dec["block_size"], None)]
+    rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) == dec["block_size"]]
 
     def mean_span(rs, kind):
         t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])

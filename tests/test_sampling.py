@@ -55,19 +55,23 @@ def _exact_second_token_dist(bundle, prompt_ids, T):
     return (p0[:, None] * p1).sum(0)
 
 
-@pytest.mark.parametrize("mode", ["d3d-async", "dflash"])
-@pytest.mark.parametrize("rule", ["match", "rejection"])
-def test_engine_output_distribution_matches_target(toy, mode, rule):
+def _assert_second_token_matches_target(toy, mode, rule, drafter=None, n=600):
+    """Chi-square: the engine's second output token over n seeds vs the target's exact distribution."""
     T = 1.0
     ids = toy.tokenizer.encode_prompt("ab")
     exact = _exact_second_token_dist(toy, ids, T)
-    n = 600
     counts: dict = {}
     for seed in range(n):
-        tr = decode(toy, ids, DecodeConfig(mode=mode, temperature=T, sampling=rule, seed=seed, max_new_tokens=2, block_size=3, stop_at_eos=False))
-        t1 = tr.output_ids[1]
-        counts[t1] = counts.get(t1, 0) + 1
+        tr = decode(toy, ids, DecodeConfig(mode=mode, temperature=T, sampling=rule, seed=seed, max_new_tokens=2, block_size=3,
+                                           stop_at_eos=False), drafter=drafter)
+        counts[tr.output_ids[1]] = counts.get(tr.output_ids[1], 0) + 1
     assert _chi2(counts, {i: float(exact[i]) for i in range(exact.shape[0])}, n) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["d3d-async", "dflash"])
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_engine_output_distribution_matches_target(toy, mode, rule):
+    _assert_second_token_matches_target(toy, mode, rule)
 
 
 def test_sampling_is_seeded(toy):
@@ -84,13 +88,4 @@ def test_shortlisted_drafter_still_samples_the_target_distribution(toy, rule):
     """A drafter restricted to half the vocabulary (q = 0 elsewhere) keeps the output exact."""
     V = toy.target.arch.vocab_size
     d = toy.drafter("d3d").shortlisted(range(0, V, 2))
-    T = 1.0
-    ids = toy.tokenizer.encode_prompt("ab")
-    exact = _exact_second_token_dist(toy, ids, T)
-    n = 600
-    counts: dict = {}
-    for seed in range(n):
-        tr = decode(toy, ids, DecodeConfig(mode="d3d-seq", temperature=T, sampling=rule, seed=seed, max_new_tokens=2, block_size=3,
-                                           stop_at_eos=False), drafter=d)
-        counts[tr.output_ids[1]] = counts.get(tr.output_ids[1], 0) + 1
-    assert _chi2(counts, {i: float(exact[i]) for i in range(exact.shape[0])}, n) > 1e-3
+    _assert_second_token_matches_target(toy, "d3d-seq", rule, drafter=d)
