@@ -54,7 +54,11 @@ PRUNING = """
 Skipping a drafter layer passes its residual stream through unchanged: the draft gets cheaper, but the
 drafts may match the target less often. **Offline τ** measures that quickly without decoding: teacher-force
 the target's own greedy continuation, draft a block at many anchors, count leading matches + 1. The
-greedy progression drops, at each step, the layer whose removal costs the least τ.
+greedy progression drops, at each step, the layer whose removal costs the least τ. A short **healing**
+fine-tune (`python -m d3d_core.prune --heal 1`) then trains the remaining layers with the removed ones
+skipped; the curve marks healed points as diamonds, measured against the unpruned drafter fine-tuned
+for the same number of steps (the fair reference: a drafter that is not fully trained improves with any
+extra training).
 """
 
 GLOSSARY = """

@@ -144,19 +144,59 @@ def acceptance_figure(traces: list) -> go.Figure:
 
 
 def speedup_vs_block_figure(sweep: Optional[dict]) -> go.Figure:
-    """Measured speedup (and τ) per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}."""
+    """Measured τ and speedup per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}:
+    two panels side by side, because a longer block raises τ but also the verify cost."""
     if not sweep:
         return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.bench --block-sizes …).")
-    fig = go.Figure()
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("τ (tokens per round)", "speedup vs ar (same run)"), horizontal_spacing=0.12)
     for mode, pts in sweep.items():
-        bs = sorted(int(b) for b in pts)
-        fig.add_trace(go.Scatter(
-            x=bs, y=[pts[str(b)]["speedup"] if str(b) in pts else pts[b]["speedup"] for b in bs], mode="lines+markers",
-            name=mode, marker_color=MODE_COLOURS.get(mode, GREY),
-        ))
-    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"))
-    fig.update_layout(title="Measured speedup vs block size", xaxis=dict(title="block size B", type="log", dtick=math.log10(2)),
-                      yaxis=dict(title="speedup vs ar"), height=360, **LAYOUT)
+        pts = {int(b): v for b, v in pts.items()}
+        bs = sorted(pts)
+        col = MODE_COLOURS.get(mode, GREY)
+        fig.add_trace(go.Scatter(x=bs, y=[pts[b]["tau"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
+                                 marker_color=col, hovertemplate=mode + ", B = %{x}: τ = %{y:.2f}<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=bs, y=[pts[b]["speedup"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
+                                 showlegend=False, marker_color=col,
+                                 hovertemplate=mode + ", B = %{x}: %{y:.2f}× ar<extra></extra>"), row=1, col=2)
+    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"), row=1, col=2)
+    for c in (1, 2):
+        fig.update_xaxes(title_text="block size B", type="log", dtick=math.log10(2), row=1, col=c)
+    fig.update_layout(title="Measured block-size sweep", height=380, legend=dict(orientation="h", y=-0.25), **LAYOUT)
+    return fig
+
+
+def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.Figure:
+    """Accepted-draft-length distribution per drafting mode from a bench result's
+    ``acceptance_hist`` {dataset: {mode: {accepted: rounds}}}, one dataset or all pooled."""
+    hists = (result or {}).get("acceptance_hist") or {}
+    if not hists:
+        return _empty("Accepted length per round", "No bench result with acceptance histograms for this bundle.")
+    pooled: dict = {}
+    for ds, modes in hists.items():
+        if dataset not in ("all", ds):
+            continue
+        for mode, h in modes.items():
+            if mode == "ar":
+                continue
+            for a, c in h.items():
+                pooled.setdefault(mode, {}).setdefault(int(a), 0)
+                pooled[mode][int(a)] += c
+    if not pooled:
+        return _empty("Accepted length per round", f"No drafting-mode rounds for {dataset!r} in this bench result.")
+    top = max(a for h in pooled.values() for a in h)
+    fig = go.Figure()
+    for mode, h in pooled.items():
+        n = sum(h.values())
+        tau = sum((a + 1) * c for a, c in h.items()) / n
+        fig.add_trace(go.Bar(x=list(range(top + 1)), y=[h.get(a, 0) / n for a in range(top + 1)], name=f"{mode} (τ = {tau:.2f}, {n} rounds)",
+                             marker_color=MODE_COLOURS.get(mode, GREY),
+                             hovertemplate=mode + ": %{y:.1%} of rounds accepted %{x} drafted tokens<extra></extra>"))
+    label = "all datasets" if dataset == "all" else dataset
+    fig.update_layout(title=f"Accepted drafted tokens per round, {label} (τ = accepted + 1 bonus)", barmode="group",
+                      xaxis=dict(title="drafted tokens accepted in the round", dtick=1), yaxis=dict(title="share of rounds", tickformat=".0%"),
+                      legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
     return fig
 
 
@@ -260,8 +300,31 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         marker_color=BLUE, customdata=[[", ".join(map(str, p["kept"])), p.get("tau_rel", 1.0)] for p in pts],
         hovertemplate="%{x} removed: τ = %{y:.3f} (%{customdata[1]:.1%} of full)<br>kept layers: %{customdata[0]}<extra></extra>",
     ))
+    if all("tau_eval" in p for p in pts):  # held-out prompts never used to choose layers
+        fig.add_trace(go.Scatter(
+            x=[p["removed"] for p in pts], y=[p["tau_eval"] for p in pts], mode="lines+markers", name="held-out prompts",
+            line=dict(color=SKY, dash="dot"), customdata=[p.get("tau_eval_rel", 1.0) for p in pts],
+            hovertemplate="%{x} removed: held-out τ = %{y:.3f} (%{customdata:.1%} of full)<extra></extra>",
+        ))
+    healed = [p for p in pts if "healed" in p]
+    if healed:
+        ref = "the unpruned drafter fine-tuned as long" if curve.get("heal_reference") == "heal_control" else "full"
+        fig.add_trace(go.Scatter(
+            x=[p["removed"] for p in healed], y=[p["healed"].get("tau_eval", p["healed"]["tau"]) for p in healed],
+            mode="markers", name=f"healed ({healed[0]['healed']['steps']} fine-tune steps)",
+            marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
+            customdata=[p["healed"].get("tau_eval_rel", p["healed"]["tau_rel"]) for p in healed],
+            hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata:.1%} of " + ref + ")<extra></extra>",
+        ))
+        ctl = curve.get("heal_control")
+        if ctl:
+            fig.add_trace(go.Scatter(
+                x=[0], y=[ctl.get("tau_eval") or ctl["tau"]], mode="markers", name="unpruned, same fine-tune (control)",
+                marker=dict(size=11, symbol="diamond-open", color=ORANGE, line=dict(width=2)),
+                hovertemplate="control: the unpruned drafter fine-tuned the same steps, τ = %{y:.3f}<extra></extra>",
+            ))
     t0 = pts[0]["tau"]
-    fig.add_hline(y=0.99 * t0, line=dict(color=GREEN, dash="dash"), annotation_text="99 % of full τ")
+    fig.add_hline(y=0.99 * t0, line=dict(color=GREEN, dash="dash"), annotation_text="99 % of full τ (calibration)")
     if live is not None:
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
                                  marker=dict(size=14, symbol="star", color=VERMILLION, line=dict(color="black", width=1))))

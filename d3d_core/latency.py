@@ -3,7 +3,11 @@
     ar         T_step
     dflash     (T_draft_dflash(B) + T_verify(B)) / τ
     d3d-seq    (T_draft_d3d(B)    + T_verify(B)) / τ
-    d3d-async  (max(T_verify(B), T_packed(H)) + (1 − hit) · T_draft_d3d(B)) / τ
+    d3d-async  (max(c_v · T_verify(B), c_p · T_packed(H)) + (1 − hit) · T_draft_d3d(B)) / τ
+
+c_v, c_p ≥ 1 are contention factors: how much slower verify and the packed pass run when they
+run at the same time than alone (they share memory bandwidth and caches). The cost probe
+measures them (``concurrent_ms``); a profile without them uses 1.
 
 Each round commits τ tokens on average; a sequential round pays draft + verify; an async round
 pays the longer of verify and the packed pass, plus a synchronous draft after a miss.
@@ -76,6 +80,11 @@ def round_ms(p: CostProfile, mode: str, B: int, hit_rate: float = 0.0, H: int = 
         return p.at(p.t_draft_d3d_ms, B) + v
     if mode == "d3d-async":
         packed = p.at(p.t_packed_ms, H) * (B / p.packed_block)  # the packed pass grows with the block
+        slow = p.extra.get("contention")  # {H: {"verify": x, "packed": y}}: run together, each is slower
+        if slow:
+            c = {int(h): x for h, x in slow.items()}
+            v *= p.at({h: x["verify"] for h, x in c.items()}, H)
+            packed *= p.at({h: x["packed"] for h, x in c.items()}, H)
         return max(v, packed) + (1.0 - hit_rate) * p.at(p.t_draft_d3d_ms, B)
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -116,8 +125,22 @@ def profile_from_probe(costs: dict, name: str = "this machine (measured)") -> Co
         packed_block=int(costs.get("packed_block_size", 8)),
         measured=True,
         extra={"verify_1thread_ms": {int(k): float(v) for k, v in costs.get("verify_1thread_ms", {}).items()},
-               "d3d_draft_1thread_ms": costs.get("d3d_draft_1thread_ms")},
+               "d3d_draft_1thread_ms": costs.get("d3d_draft_1thread_ms"),
+               "contention": contention(costs)},
     )
+
+
+def contention(costs: dict) -> dict:
+    """{H: {"verify": c_v, "packed": c_p}} from a probe's concurrent timings: each lane's time
+    when verify(B) and the packed pass run together, over its time alone on one thread."""
+    conc = costs.get("concurrent_ms") or {}
+    Bp = str(costs.get("packed_block_size", 8))
+    v1 = {str(k): float(v) for k, v in costs.get("verify_1thread_ms", {}).items()}
+    packed = {str(k): float(v) for k, v in costs.get("packed_ms", {}).items()}
+    if not conc or Bp not in v1:
+        return {}
+    return {int(h): {"verify": max(1.0, x["verify"] / v1[Bp]), "packed": max(1.0, x["packed"] / packed[str(h)])}
+            for h, x in conc.items() if str(h) in packed}
 
 
 def async_profile(p: CostProfile) -> CostProfile:

@@ -199,18 +199,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None) -> dict:
+def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None,
+          init=None, init_note: str = "") -> dict:
     """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
     ``reload``: optional callable returning a fresh example list, called at every eval
-    (training can start while the self-distillation data is still being generated)."""
+    (training can start while the self-distillation data is still being generated).
+    ``init``: start from a copy of this trained drafter (its skip set included: skipped layers
+    get no gradient) instead of target layers — fine-tuning, e.g. healing after pruning."""
     from tqdm import tqdm
 
     from .bundles import BUNDLES, init_drafter
+    from .drafters import build_drafter
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    drafter = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+    if init is not None:
+        if init.cfg.kind != cfg.kind:
+            raise ValueError(f"cannot fine-tune a {init.cfg.kind} drafter as {cfg.kind}")
+        drafter = build_drafter(init.cfg, bundle.target.shared).to(device=bundle.target.device, dtype=bundle.target.dtype)
+        drafter.load_state_dict({k: v.to(bundle.target.dtype) for k, v in init.state_dict().items()})
+    else:
+        drafter = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
     drafter.train()
     for p in drafter.parameters():
         p.requires_grad_(True)
@@ -278,11 +288,14 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     bar.close()
     drafter.eval()
     final_tau = history[-1]["offline_tau"]
-    trained = replace(drafter.cfg, training={
+    info = {
         "data_examples": len(train_ex), "data_tokens": sum(len(e["response_ids"]) for e in train_ex),
         "steps": cfg.steps, "tokens_seen": tokens_seen, "offline_tau": round(final_tau, 4),
         "offline_tau_block": cfg.block_size, "train_config": asdict(cfg),
-    })
+    }
+    if init is not None:  # keep the history: what it was fine-tuned from, and how
+        info = {**info, "fine_tune_note": init_note, "fine_tuned_from": init.cfg.training or "untrained"}
+    trained = replace(drafter.cfg, training=info)
     drafter.cfg = trained
     drafter.save(out / "final")
     return {"offline_tau": final_tau, "history": history, "out": str(out / "final")}

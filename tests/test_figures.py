@@ -95,6 +95,19 @@ def test_pruning_figures():
     assert figures.pruning_curve_figure(None).layout.annotations  # a message instead of an empty plot
 
 
+def test_pruning_curve_shows_held_out_and_healed_points():
+    pts = [{"removed": k, "kept": list(range(k, 3)), "tau": t, "tau_rel": t / 3.0, "tau_eval": e, "tau_eval_rel": e / 2.5}
+           for k, t, e in ((0, 3.0, 2.5), (1, 2.7, 2.2), (2, 2.0, 1.6))]
+    pts[1]["healed"] = {"steps": 150, "lr": 1e-4, "tau": 3.05, "tau_rel": 0.98, "tau_eval": 2.6, "tau_eval_rel": 0.991}
+    curve = {"layers": 3, "order": [0, 1], "curve": pts, "marginal_cost": {"0": 0.3, "1": 0.5, "2": 0.6},
+             "heal_control": {"steps": 150, "tau": 3.1, "tau_eval": 2.62}, "heal_reference": "heal_control"}
+    f = figures.pruning_curve_figure(curve)
+    names = [d.name for d in f.data]
+    assert names == ["greedy pruning", "held-out prompts", "healed (150 fine-tune steps)", "unpruned, same fine-tune (control)"]
+    assert list(f.data[1].y) == [2.5, 2.2, 1.6] and list(f.data[2].y) == [2.6] and list(f.data[2].customdata) == [0.991]
+    assert list(f.data[3].y) == [2.62]
+
+
 def test_empty_figures_say_what_to_do():
     for f in (figures.timeline_figure([]), figures.acceptance_figure([]), figures.rounds_grid_figure(None, {}),
               figures.speedup_vs_block_figure(None)):
@@ -148,3 +161,24 @@ def test_bench_and_latency_check_tables():
     t = figures.latency_check_table(res)
     assert t.iloc[0]["error (probe)"] == 0.25 and t.iloc[0]["error (run)"] == 0.05
     assert figures.latency_check_table(None).empty and figures.bench_table(None).empty
+
+
+def test_block_sweep_figure_has_tau_and_speedup_panels():
+    sweep = {"d3d-seq": {"2": {"tau": 1.5, "speedup": 0.9}, "8": {"tau": 2.0, "speedup": 1.1}},
+             "d3d-async": {2: {"tau": 1.5, "speedup": 0.8}, 8: {"tau": 2.0, "speedup": 1.2}}}
+    f = figures.speedup_vs_block_figure(sweep)
+    assert [(d.name, d.xaxis) for d in f.data] == [("d3d-seq", "x"), ("d3d-seq", "x2"), ("d3d-async", "x"), ("d3d-async", "x2")]
+    assert list(f.data[0].y) == [1.5, 2.0] and list(f.data[3].y) == [0.8, 1.2]
+
+
+def test_bench_acceptance_figure_pools_or_picks_a_dataset():
+    result = {"acceptance_hist": {"gsm8k": {"ar": {"0": 50}, "d3d-seq": {"0": 2, "3": 2}},
+                                  "mbpp": {"d3d-seq": {"1": 4}, "dflash": {"0": 1}}}}
+    f = figures.bench_acceptance_figure(result)
+    seq = next(d for d in f.data if d.name.startswith("d3d-seq"))
+    assert list(seq.y) == [0.25, 0.5, 0.0, 0.25] and "τ = 2.25" in seq.name  # pooled 8 rounds: (2·1 + 4·2 + 2·4) / 8
+    assert len(f.data) == 2  # ar has no drafted tokens
+    g = figures.bench_acceptance_figure(result, "gsm8k")
+    assert [d.name.split(" ")[0] for d in g.data] == ["d3d-seq"] and list(g.data[0].y) == [0.5, 0, 0, 0.5]
+    assert figures.bench_acceptance_figure(None).layout.annotations
+    assert figures.bench_acceptance_figure(result, "aime25").layout.annotations

@@ -2,7 +2,7 @@
 
 import pytest
 
-from d3d_core.latency import PRESETS, CostProfile, async_profile, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
+from d3d_core.latency import PRESETS, CostProfile, async_profile, contention, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
 
 P = CostProfile(name="synthetic", source="test", assumptions="round numbers", t_step_ms=10.0,
                 t_verify_ms={1: 10.0, 8: 14.0, 16: 18.0}, t_draft_d3d_ms={8: 4.0, 16: 6.0}, t_draft_dflash_ms={8: 2.0, 16: 3.0},
@@ -58,6 +58,27 @@ def test_validate_against_a_bench_result():
     assert rows["d3d-async"]["predicted_speedup"] == pytest.approx(10 / (23 / 3))
     assert rows["d3d-seq"]["error"] == pytest.approx(rows["d3d-seq"]["predicted_speedup"] / 1.5 - 1)
     assert async_profile(profile_from_probe(costs)).t_verify_ms[8] == 20.0
+
+
+def test_contention_from_a_concurrent_probe():
+    """verify and the packed pass measured running together: the async round uses those costs."""
+    costs = {"ctx_len": 300, "threads": 2, "step_ms": 10.0, "verify_ms": {"1": 10.0, "8": 14.0}, "verify_1thread_ms": {"1": 12.0, "8": 20.0},
+             "d3d_draft_ms": {"8": 4.0}, "dflash_draft_ms": {"8": 2.0}, "packed_ms": {"1": 6.0, "4": 8.0}, "packed_block_size": 8,
+             "d3d_draft_1thread_ms": 6.0,
+             "concurrent_ms": {"1": {"verify": 22.0, "packed": 6.0, "round": 22.5}, "4": {"verify": 25.0, "packed": 12.0, "round": 25.5}}}
+    c = contention(costs)
+    assert c[4] == pytest.approx({"verify": 1.25, "packed": 1.5})
+    assert c[1]["packed"] == 1.0  # never below 1: running alone is the floor
+    p = async_profile(profile_from_probe(costs))
+    # H = 4: max(20 × 1.25, 8 × 1.5) + miss 50 % × draft 6 = 28 ms per round, τ 2
+    assert per_token_ms(p, "d3d-async", 8, 2.0, hit_rate=0.5, H=4) == pytest.approx(28 / 2)
+    # H = 2 interpolates the factors between H = 1 and H = 4
+    cv = 1.1 + (1.25 - 1.1) / 3
+    assert per_token_ms(p, "d3d-async", 8, 1.0, hit_rate=1.0, H=2) == pytest.approx(20 * cv)
+    # sequential modes run alone: no contention
+    assert per_token_ms(p, "d3d-seq", 8, 1.0) == pytest.approx(20 + 6)
+    # a what-if scaling keeps the factors
+    assert per_token_ms(p.scaled(verify=2.0), "d3d-async", 8, 1.0, hit_rate=1.0, H=4) == pytest.approx(50.0)
 
 
 def test_in_run_validation_uses_the_runs_own_span_costs():

@@ -21,3 +21,30 @@ def test_curve_is_well_formed(toy):
     first = c["order"][0]
     assert c["marginal_cost"][str(first)] == min(c["marginal_cost"].values())
     assert best_within(c, keep=0.0)["removed"] == L - 1
+
+
+def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path):
+    import torch
+
+    from d3d_core.drafters import load_drafter
+    from d3d_core.prune import heal
+
+    d = toy.drafter("d3d")
+    seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "hello", "count to ten", "say hi", "abc"], 40)
+    calib, evals = seqs[:2], seqs[2:4]
+    examples = [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+    c = progressive_prune(d, calib, evals, B=4, stride=2)
+    heal(toy, d, c, [1], examples, calib, evals, tmp_path, steps=6, lr=1e-3, B=4, stride=2, progress=False)
+    h = c["curve"][1]["healed"]
+    assert h["steps"] == 6 and 1.0 <= h["tau"] <= 4 and "tau_eval_rel" in h
+    ctl = c["heal_control"]
+    assert h["tau_rel"] == h["tau"] / ctl["tau"] and c["heal_reference"] == "heal_control"
+    healed = load_drafter(tmp_path / "removed-1" / "final", toy.target.shared, toy.target.arch)
+    gone = c["order"][0]
+    assert list(healed.cfg.skip_layers) == [gone] and healed.cfg.training["fine_tuned_from"] is not None
+    before, after = d.state_dict(), healed.state_dict()
+    changed = {k for k in before if not torch.allclose(before[k].float(), after[k].float(), atol=2e-3)}
+    assert changed, "healing changed nothing"
+    assert not any(k.startswith(f"layers.{gone}.") for k in changed), "a skipped layer was trained"
+    assert any(k.startswith("layers.") for k in changed)
+    assert d.cfg.skip_layers == () and not d.training  # the bundle's drafter is untouched
