@@ -359,7 +359,7 @@ def build_demo() -> gr.Blocks:
                         b_acc = gr.Plot(figures.bench_acceptance_figure(service.bench_result(service.DEFAULT_BUNDLE)), label="Accepted length per round (bench)")
                     b_sweep = gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE)), label="Block-size sweep (bench --block-sizes)")
                 gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
-                            "max(T_verify, T_packed) + miss rate × T_draft, per-token time = round / τ. These are model-based numbers, "
+                            "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")
                 with gr.Row():
                     pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")

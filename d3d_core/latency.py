@@ -180,12 +180,16 @@ def _gpu_profile(name, params_b, layers, hidden, vocab, bw_tbs, overhead_ms, d3d
 PRESETS = {
     "cpu-epyc-2core (measured)": CostProfile(
         name="cpu-epyc-2core (measured)",
-        source="python -m d3d_core.bench --cost-probe on this project's 2-core AMD EPYC, SmolLM2-135M fp32 (README)",
-        assumptions="300-token context; sequential modes 2 threads; one run on a quiet machine (runs drift by ±20 %)",
-        t_step_ms=74.2, t_verify_ms={1: 74.2, 2: 134.8, 4: 109.5, 8: 90.4, 16: 107.9},
-        t_draft_d3d_ms={2: 57.8, 4: 43.9, 8: 38.5, 16: 61.4}, t_draft_dflash_ms={2: 20.3, 4: 47.6, 8: 49.8, 16: 33.4},
-        t_packed_ms={1: 75.4, 2: 78.7, 4: 90.4, 8: 150.8}, measured=True,
-        extra={"verify_1thread_ms": {1: 79.3, 2: 140.6, 4: 129.5, 8: 137.3, 16: 169.6}, "d3d_draft_1thread_ms": 60.3},
+        source="python -m d3d_core.bench --cost-probe on this project's 2-core AMD EPYC, SmolLM2-135M fp32 "
+               "(the gsm8k block-size sweep run, assets/bench/smollm2-135m-block-sweep.json)",
+        assumptions="300-token context; sequential modes 2 threads, async 1 thread per lane with the contention "
+                    "measured by running verify and the packed pass together; one run on a quiet machine (runs drift by ±20 %)",
+        t_step_ms=60.7, t_verify_ms={1: 60.7, 2: 99.4, 4: 108.2, 8: 88.6, 16: 102.1},
+        t_draft_d3d_ms={2: 47.7, 4: 33.2, 8: 34.4, 16: 39.9}, t_draft_dflash_ms={2: 16.9, 4: 42.9, 8: 42.1, 16: 26.2},
+        t_packed_ms={1: 50.6, 2: 63.5, 4: 84.3, 8: 136.4}, measured=True,
+        extra={"verify_1thread_ms": {1: 72.1, 2: 107.0, 4: 91.4, 8: 107.0, 16: 133.1}, "d3d_draft_1thread_ms": 44.9,
+               "contention": {1: {"verify": 1.06, "packed": 1.19}, 2: {"verify": 1.07, "packed": 1.06},
+                              4: {"verify": 1.01, "packed": 1.11}, 8: {"verify": 1.06, "packed": 1.06}}},
     ),
     "qwen3-8b on H200 (derived)": _gpu_profile("qwen3-8b on H200 (derived)", 8.2, 36, 4096, 151936, 4.8, 0.8),
     "qwen3-8b on H100 (derived)": _gpu_profile("qwen3-8b on H100 (derived)", 8.2, 36, 4096, 151936, 3.35, 0.8),
