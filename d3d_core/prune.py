@@ -175,14 +175,14 @@ def main(argv=None) -> int:
     from .distill import distill_dir, read_examples
     from .drafters import load_drafter
     from .offline_tau import CALIB_PROMPTS, greedy_continuations
-    from .train import is_holdout, to_seq
+    from .train import split_holdout
 
     bundle = get_bundle(args.bundle)
     drafter = bundle.drafter("d3d")
     if args.drafter:
         drafter = load_drafter(args.drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
-    held = [to_seq(e, args.max_len) for e in ex if is_holdout(e["id"], 2.0)]  # never trained on
+    held = split_holdout(ex, args.max_len)[1]  # never trained on
     if args.data_dir and len(held) >= args.calib:
         calib, evals = held[: args.calib], benchmark_continuations(bundle, args.data_dir, args.eval, args.eval_tokens)
     elif len(held) >= args.calib + args.eval:

@@ -48,14 +48,14 @@ def main(argv=None) -> int:
     from .distill import distill_dir, read_examples
     from .drafters import load_drafter
     from .offline_tau import offline_tau
-    from .train import is_holdout, to_seq
+    from .train import split_holdout
 
     bundle = get_bundle(args.bundle)
     d = Path(args.drafter)
     drafter = load_drafter(d, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
-    train_ex = [e for e in ex if not is_holdout(e["id"], 2.0)]
-    held = [to_seq(e, 384) for e in ex if is_holdout(e["id"], 2.0)][: args.eval]
+    train_ex, held = split_holdout(ex, 384)
+    held = held[: args.eval]
     if not train_ex or not held:
         print("error: no self-distillation data (python -m d3d_core.distill)", file=sys.stderr)
         return 2

@@ -66,6 +66,14 @@ def is_holdout(key: str, pct: float) -> bool:
     return (h % 10000) < pct * 100
 
 
+def split_holdout(examples: list, max_len: int, pct: float = TrainConfig.holdout_pct) -> tuple:
+    """(training examples, held-out sequences): the same hash split training uses, so nothing
+    that scores a drafter (offline τ, pruning calibration, shortlist checks) was trained on."""
+    train_ex = [e for e in examples if not is_holdout(e["id"], pct)]
+    held = [to_seq(e, max_len) for e in examples if is_holdout(e["id"], pct)]
+    return train_ex, held
+
+
 def to_seq(e: dict, max_len: int) -> CalibSeq:
     p, r = list(e["prompt_ids"]), list(e["response_ids"])
     if len(p) + len(r) > max_len:
@@ -226,8 +234,8 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         p.requires_grad_(True)
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
     start, history = load_checkpoint(out, drafter, opt)
-    train_ex = [e for e in examples if not is_holdout(e["id"], cfg.holdout_pct)]
-    held = [to_seq(e, cfg.max_len) for e in examples if is_holdout(e["id"], cfg.holdout_pct)][: cfg.eval_seqs]
+    train_ex, held = split_holdout(examples, cfg.max_len, cfg.holdout_pct)
+    held = held[: cfg.eval_seqs]
     if not train_ex:
         raise ValueError("no training examples (run python -m d3d_core.distill first)")
     if not held:
