@@ -194,7 +194,7 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
                              marker_color=MODE_COLOURS.get(mode, GREY),
                              hovertemplate=mode + ": %{y:.1%} of rounds accepted %{x} drafted tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
-    fig.update_layout(title=f"Accepted drafted tokens per round, {label} (τ = accepted + 1 bonus)", barmode="group",
+    fig.update_layout(title=f"Drafted tokens accepted per round · {label}", barmode="group",
                       xaxis=dict(title="drafted tokens accepted in the round", dtick=1), yaxis=dict(title="share of rounds", tickformat=".0%"),
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
     return fig
@@ -311,7 +311,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         ref = "the unpruned drafter fine-tuned as long" if curve.get("heal_reference") == "heal_control" else "full"
         fig.add_trace(go.Scatter(
             x=[p["removed"] for p in healed], y=[p["healed"].get("tau_eval", p["healed"]["tau"]) for p in healed],
-            mode="markers", name=f"healed ({healed[0]['healed']['steps']} fine-tune steps)",
+            mode="markers", name=f"healed, held-out ({healed[0]['healed']['steps']} fine-tune steps)",
             marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
             customdata=[p["healed"].get("tau_eval_rel", p["healed"]["tau_rel"]) for p in healed],
             hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata:.1%} of " + ref + ")<extra></extra>",
@@ -319,7 +319,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         ctl = curve.get("heal_control")
         if ctl:
             fig.add_trace(go.Scatter(
-                x=[0], y=[ctl.get("tau_eval") or ctl["tau"]], mode="markers", name="unpruned, same fine-tune (control)",
+                x=[0], y=[ctl.get("tau_eval") or ctl["tau"]], mode="markers", name="unpruned + same fine-tune (control), held-out",
                 marker=dict(size=11, symbol="diamond-open", color=ORANGE, line=dict(width=2)),
                 hovertemplate="control: the unpruned drafter fine-tuned the same steps, τ = %{y:.3f}<extra></extra>",
             ))
@@ -329,7 +329,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
                                  marker=dict(size=14, symbol="star", color=VERMILLION, line=dict(color="black", width=1))))
     fig.update_layout(title="Offline τ vs drafter layers removed", xaxis=dict(title="layers removed", dtick=1),
-                      yaxis=dict(title="offline τ"), height=360, **LAYOUT)
+                      yaxis=dict(title="offline τ"), height=420, legend=dict(orientation="h", y=-0.25), **LAYOUT)
     return fig
 
 

@@ -103,7 +103,7 @@ def test_pruning_curve_shows_held_out_and_healed_points():
              "heal_control": {"steps": 150, "tau": 3.1, "tau_eval": 2.62}, "heal_reference": "heal_control"}
     f = figures.pruning_curve_figure(curve)
     names = [d.name for d in f.data]
-    assert names == ["greedy pruning", "held-out prompts", "healed (150 fine-tune steps)", "unpruned, same fine-tune (control)"]
+    assert names == ["greedy pruning", "held-out prompts", "healed, held-out (150 fine-tune steps)", "unpruned + same fine-tune (control), held-out"]
     assert list(f.data[1].y) == [2.5, 2.2, 1.6] and list(f.data[2].y) == [2.6] and list(f.data[2].customdata) == [0.991]
     assert list(f.data[3].y) == [2.62]
 
