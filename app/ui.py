@@ -223,10 +223,13 @@ def measure_pruned(bundle, active, state):
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
 
 
-def _bench_datasets(bundle) -> list:
-    """'all' plus the datasets of the bundle's shipped bench result (for the histogram picker)."""
-    res = service.bench_result(bundle) or {}
-    return ["all"] + list((res.get("acceptance_hist") or {}).keys())
+def bench_views(bundle) -> tuple:
+    """The Benchmarks tab's views of a bundle's shipped bench result and sweep, the result read
+    once: (measured table, model check, dataset choices, acceptance figure, sweep figure)."""
+    res = service.bench_result(bundle)
+    datasets = ["all"] + list(((res or {}).get("acceptance_hist") or {}).keys())
+    return (figures.bench_table(res), figures.latency_check_table(res), datasets, figures.bench_acceptance_figure(res),
+            figures.speedup_vs_block_figure(service.block_sweep(bundle)))
 
 
 def project_speedups(profile, B, tau, hit, H, vx, dx, px):
@@ -348,16 +351,17 @@ def build_demo() -> gr.Blocks:
                 p_load = gr.Button("Reload layers and curve")
             with gr.Tab("Benchmarks", id="benchmarks"):
                 gr.Markdown("**Measured** on this machine by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, lossless rate, hit rate, overlap):")
-                b_table = gr.Dataframe(figures.bench_table(service.bench_result(service.DEFAULT_BUNDLE)), label="Measured (bench command)", interactive=False)
+                v_table, v_check, v_ds, v_acc, v_sweep = bench_views(service.DEFAULT_BUNDLE)
+                b_table = gr.Dataframe(v_table, label="Measured (bench command)", interactive=False)
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
                             "with the separately probed costs and with the costs the run itself paid (mean span times). "
                             "The error is (predicted − measured) / measured.")
-                b_check = gr.Dataframe(figures.latency_check_table(service.bench_result(service.DEFAULT_BUNDLE)), label="Model vs measured speedup", interactive=False)
+                b_check = gr.Dataframe(v_check, label="Model vs measured speedup", interactive=False)
                 with gr.Row():
                     with gr.Column():
-                        b_ds = gr.Dropdown(_bench_datasets(service.DEFAULT_BUNDLE), value="all", label="Acceptance histogram of dataset")
-                        b_acc = gr.Plot(figures.bench_acceptance_figure(service.bench_result(service.DEFAULT_BUNDLE)), label="Accepted length per round (bench)")
-                    b_sweep = gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE)), label="Block-size sweep (bench --block-sizes)")
+                        b_ds = gr.Dropdown(v_ds, value="all", label="Acceptance histogram of dataset")
+                        b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
+                    b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
                 gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
                             "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")
@@ -419,10 +423,11 @@ def build_demo() -> gr.Blocks:
             comp.change(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False, queue=False)
         gr.Button("Project", visible=False).click(project_speedups, pj_inputs, [pj_plot, pj_src], api_name="project")
         demo.load(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False)
-        bundle.change(lambda b: (figures.bench_table(service.bench_result(b)), figures.latency_check_table(service.bench_result(b)),
-                                 gr.update(choices=_bench_datasets(b), value="all"), figures.bench_acceptance_figure(service.bench_result(b)),
-                                 figures.speedup_vs_block_figure(service.block_sweep(b))),
-                      [bundle], [b_table, b_check, b_ds, b_acc, b_sweep], api_name=False)
+        def on_bundle_bench(b):
+            table, check, ds, acc, sweep = bench_views(b)
+            return table, check, gr.update(choices=ds, value="all"), acc, sweep
+
+        bundle.change(on_bundle_bench, [bundle], [b_table, b_check, b_ds, b_acc, b_sweep], api_name=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],
                     api_name=False, queue=False)
     demo.queue(max_size=16, default_concurrency_limit=2)

@@ -66,10 +66,15 @@ def _point(k, kept, tau, full, te, full_eval):
     return p
 
 
-def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel") -> dict:
-    """The point with the most layers removed that keeps >= `keep` of τ (held-out when measured)."""
-    ok = [p for p in curve["curve"] if p.get(key, p["tau_rel"]) >= keep]
-    return max(ok, key=lambda p: p["removed"])
+def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel", healed: bool = False) -> Optional[dict]:
+    """The point with the most layers removed that keeps >= `keep` of τ (held-out when measured).
+    ``healed``: judge the healed points by their healed τ instead; None when none keeps enough."""
+    def rel(p):
+        q = p["healed"] if healed else p
+        return q.get(key, q["tau_rel"])
+
+    ok = [p for p in curve["curve"] if (not healed or "healed" in p) and rel(p) >= keep]
+    return max(ok, key=lambda p: p["removed"]) if ok else None
 
 
 def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, calib: list, eval_seqs: list, out: Path,
@@ -119,6 +124,7 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
             point["healed"]["tau_eval"] = te
             point["healed"]["tau_eval_rel"] = te / ref_eval if ref_eval else 0.0
     curve["heal_reference"] = "heal_control" if control else "unpruned"
+    curve["best_99_healed"] = best_within(curve, healed=True)
     return curve
 
 
@@ -212,9 +218,6 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        healed = [p for p in curve["curve"] if "healed" in p]
-        ok = [p for p in healed if p["healed"].get("tau_eval_rel", p["healed"]["tau_rel"]) >= 0.99]
-        curve["best_99_healed"] = max(ok, key=lambda p: p["removed"]) if ok else None
     out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(curve, indent=1))
