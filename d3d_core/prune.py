@@ -78,7 +78,8 @@ def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel", heal
 
 
 def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, calib: list, eval_seqs: list, out: Path,
-         steps: int = 150, lr: float = 1e-4, control: bool = True, B: int = 8, stride: int = 4, progress: bool = True) -> dict:
+         steps: int = 150, lr: float = 1e-4, control: bool = True, B: int = 8, stride: int = 4, progress: bool = True,
+         kd: float = 0.0) -> dict:
     """Short healing fine-tune of the pruned drafters at ``removed_counts`` (layers from the
     greedy order skipped, so they get no gradient), each resumable under ``out/removed-<k>``.
 
@@ -86,14 +87,19 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     (``out/control``): the drafter is not trained to convergence, so a healed drafter can beat
     the *original* just by training longer; the fair question is whether it keeps ≥ 99 % of what
     the full drafter reaches with the same extra training. Adds ``healed`` to those curve points
-    and ``heal_control`` to the curve; returns the curve."""
+    and ``heal_control`` to the curve; returns the curve.
+
+    ``kd`` = α > 0 also distils the unpruned drafter's block distributions into each one
+    (loss (1-α)·CE + α·KL, see ``train.d3d_loss``); the control gets the same recipe."""
     from .drafters import load_drafter
     from .train import TrainConfig, train
 
     L = drafter.cfg.num_layers
     base_skip = set(drafter.cfg.skip_layers)
     cfg = TrainConfig(kind="d3d", layers=L, block_size=drafter.cfg.block_size, steps=steps, lr=lr, warmup=min(20, steps // 5 + 1),
-                      eval_every=steps, eval_seqs=8, ckpt_every=max(10, steps // 6))
+                      eval_every=steps, eval_seqs=8, ckpt_every=max(10, steps // 6), kd_alpha=kd)
+    teacher = drafter.pruned(sorted(base_skip)) if kd > 0 else None
+    recipe = {"steps": steps, "lr": lr, **({"kd_alpha": kd} if kd > 0 else {})}
 
     def tau_pair(d):
         return (offline_tau(d, calib, B=B, stride=stride, target=bundle.target),
@@ -103,10 +109,10 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     ref_tau = curve["curve"][0]["tau"]
     if control:
         res = train(bundle, examples, cfg, out / "control", progress=progress, init=drafter.pruned(sorted(base_skip)),
-                    init_note=f"healing control: the unpruned drafter fine-tuned {steps} steps like the pruned ones")
+                    init_note=f"healing control: the unpruned drafter fine-tuned {steps} steps like the pruned ones", teacher=teacher)
         ctl = load_drafter(res["out"], bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
         t, te = tau_pair(ctl)
-        curve["heal_control"] = {"steps": steps, "lr": lr, "tau": t, "tau_eval": te}
+        curve["heal_control"] = {**recipe, "tau": t, "tau_eval": te}
         print(f"control (unpruned + {steps} steps) saved in {res['out']}", file=sys.stderr)
         ref_tau, ref_eval = t, te
     for k in removed_counts:
@@ -115,10 +121,10 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
             raise ValueError(f"no pruning point with {k} layers removed (curve has 1..{len(curve['curve']) - 1})")
         skip = sorted(base_skip | set(curve["order"][:k]))
         res = train(bundle, examples, cfg, out / f"removed-{k}", progress=progress, init=drafter.pruned(skip),
-                    init_note=f"healing after pruning layers {curve['order'][:k]} ({k} of {L})")
+                    init_note=f"healing after pruning layers {curve['order'][:k]} ({k} of {L})", teacher=teacher)
         healed = load_drafter(res["out"], bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
         t, te = tau_pair(healed)
-        point["healed"] = {"steps": steps, "lr": lr, "tau": t, "tau_rel": t / ref_tau if ref_tau else 0.0}
+        point["healed"] = {**recipe, "tau": t, "tau_rel": t / ref_tau if ref_tau else 0.0}
         print(f"healed drafter ({k} removed) saved in {res['out']}", file=sys.stderr)
         if te is not None:
             point["healed"]["tau_eval"] = te
@@ -165,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heal", default="", help="comma list of removal counts to heal with a short fine-tune (e.g. 1,2)")
     ap.add_argument("--heal-steps", type=int, default=150)
     ap.add_argument("--heal-lr", type=float, default=1e-4)
+    ap.add_argument("--heal-kd", type=float, default=0.0,
+                    help="α: also distil the unpruned drafter's block distributions while healing ((1-α)·CE + α·KL)")
     ap.add_argument("--heal-out", default=None, help="healing runs (resumable; default $D3D_CACHE/runs/heal-<bundle>)")
     ap.add_argument("--no-heal-control", action="store_true",
                     help="compare healed drafters with the original instead of the unpruned drafter fine-tuned the same steps")
@@ -208,18 +216,19 @@ def main(argv=None) -> int:
         curve["drafter"] = drafter.cfg.training or "untrained"
         curve["wall_time_s"] = time.time() - t0
         curve["best_99"] = best_within(curve)
+    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(curve, indent=1))  # the greedy curve survives a killed healing run
     if heal_ks:
         from .bundles import cache_dir
 
         out_heal = Path(args.heal_out) if args.heal_out else cache_dir() / "runs" / f"heal-{args.bundle}"
         try:
             heal(bundle, drafter, curve, heal_ks, ex, calib, evals, out_heal, steps=args.heal_steps, lr=args.heal_lr,
-                 control=not args.no_heal_control, B=args.block_size, stride=args.stride)
+                 control=not args.no_heal_control, B=args.block_size, stride=args.stride, kd=args.heal_kd)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(curve, indent=1))
     if args.calib_out:
         Path(args.calib_out).parent.mkdir(parents=True, exist_ok=True)

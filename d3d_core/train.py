@@ -51,6 +51,7 @@ class TrainConfig:
     eval_seqs: int = 16
     ckpt_every: int = 100
     holdout_pct: float = 2.0
+    kd_alpha: float = 0.0  # α: mix KL(teacher ‖ drafter) into the block loss (healing from the unpruned drafter)
 
 
 PRESETS = {
@@ -110,14 +111,31 @@ def weighted_block_ce(logits: torch.Tensor, ids: list, anchors: list, gamma: flo
     return (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
 
 
-def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random):
-    """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context."""
+def weighted_block_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, ids: list, anchors: list, gamma: float) -> torch.Tensor:
+    """KL(teacher ‖ drafter) per block position, weighted like the CE (w_k, past-the-end ignored).
+    Soft labels from the unpruned drafter carry what it learned about the target beyond the one
+    greedy token — the usual way to heal a pruned network on little data."""
+    T, n = len(ids), logits.shape[1]
+    valid = torch.tensor([[p + k < T for k in range(1, n + 1)] for p in anchors], dtype=torch.float32)
+    w = block_weights(n, n, gamma)[None] * valid  # (nb, n)
+    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1), log_target=True, reduction="none").sum(-1)
+    return (kl.cpu() * w).sum() / w.sum().clamp(min=1e-6)
+
+
+def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random, teacher=None):
+    """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context;
+    with a ``teacher`` and ``cfg.kd_alpha`` = α the block term is (1-α)·CE + α·KL(teacher ‖ drafter)."""
     ids = seq.ids
     T, B = len(ids), cfg.block_size
     ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
-    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
+    blocks = [(ids[p], p) for p in anchors]
+    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, blocks, B + 1)
     logits = drafter.logits(hb[:, 1:]).float()  # (nb, B, V): predicts p+1 .. p+B
     block = weighted_block_ce(logits, ids, anchors, cfg.gamma)
+    if teacher is not None and cfg.kd_alpha > 0:
+        with torch.no_grad():
+            t_logits = teacher.logits(teacher.forward_packed(teacher.new_cache(), ctx, blocks, B + 1)[1][:, 1:]).float()
+        block = (1 - cfg.kd_alpha) * block + cfg.kd_alpha * weighted_block_kl(logits, t_logits, ids, anchors, cfg.gamma)
     ar = torch.zeros(())
     if cfg.ar_lambda > 0:
         P = len(seq.prompt_ids)
@@ -208,12 +226,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None,
-          init=None, init_note: str = "") -> dict:
+          init=None, init_note: str = "", teacher=None) -> dict:
     """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
     ``reload``: optional callable returning a fresh example list, called at every eval
     (training can start while the self-distillation data is still being generated).
     ``init``: start from a copy of this trained drafter (its skip set included: skipped layers
-    get no gradient) instead of target layers — fine-tuning, e.g. healing after pruning."""
+    get no gradient) instead of target layers — fine-tuning, e.g. healing after pruning.
+    ``teacher``: a frozen D3D drafter whose block distributions the drafter also learns
+    (weight ``cfg.kd_alpha``), e.g. the unpruned drafter when healing a pruned one."""
     from tqdm import tqdm
 
     from .bundles import BUNDLES, init_drafter
@@ -229,6 +249,12 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         drafter.load_state_dict({k: v.to(bundle.target.dtype) for k, v in init.state_dict().items()})
     else:
         drafter = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+    if teacher is not None:
+        if cfg.kind != "d3d" or teacher.cfg.kind != "d3d":
+            raise ValueError("distillation from a teacher drafter is implemented for D3D drafters")
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
     drafter.train()
     for p in drafter.parameters():
         p.requires_grad_(True)
@@ -268,7 +294,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             if not anchors:
                 continue
             if cfg.kind == "d3d":
-                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng)
+                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher)
             else:
                 loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg, feat_cache, ex["id"])
             (loss / cfg.accum).backward()
