@@ -226,14 +226,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None,
-          init=None, init_note: str = "", teacher=None) -> dict:
+          init=None, init_note: str = "", teacher=None, stop_after: int | None = None) -> dict:
     """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
     ``reload``: optional callable returning a fresh example list, called at every eval
     (training can start while the self-distillation data is still being generated).
     ``init``: start from a copy of this trained drafter (its skip set included: skipped layers
     get no gradient) instead of target layers — fine-tuning, e.g. healing after pruning.
     ``teacher``: a frozen D3D drafter whose block distributions the drafter also learns
-    (weight ``cfg.kd_alpha``), e.g. the unpruned drafter when healing a pruned one."""
+    (weight ``cfg.kd_alpha``), e.g. the unpruned drafter when healing a pruned one.
+    ``stop_after``: run at most this many steps now (checkpointed; calling again continues on
+    the same schedule) — for sessions shorter than a run, and for comparing recipes at equal steps."""
     from tqdm import tqdm
 
     from .bundles import BUNDLES, init_drafter
@@ -281,7 +283,8 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     tokens_seen = history[-1].get("tokens_seen", 0) if history else 0
     loss_ema = None
     feat_cache: dict = {}  # DFlash: target features per sequence (see dflash_loss)
-    for step in range(start, cfg.steps):
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    for step in range(start, end):
         rng = random.Random(cfg.seed * 1_000_003 + step)  # the same data order on resume, whatever was done
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -317,9 +320,11 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
                             "elapsed_s": time.time() - t0, "train_examples": len(train_ex)})
             if log:
                 log(history[-1])
-        if done % cfg.ckpt_every == 0 or done == cfg.steps:
+        if done % cfg.ckpt_every == 0 or done == cfg.steps or done == end:
             save_checkpoint(out, drafter, opt, done, cfg, history)
     bar.close()
+    if end < cfg.steps:  # stopped early on purpose: the checkpoint is the result so far
+        return {"offline_tau": history[-1]["offline_tau"], "history": history, "out": str(out / "ckpt"), "stopped_at": end}
     drafter.eval()
     final_tau = history[-1]["offline_tau"]
     info = {
@@ -342,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="run at most this many steps now (checkpointed; rerun to continue on the same schedule)")
     for f, default in asdict(TrainConfig()).items():
         ap.add_argument("--" + f.replace("_", "-"), type=type(default), default=None)
     args = ap.parse_args(argv)
@@ -359,8 +366,8 @@ def main(argv=None) -> int:
         print("error: no self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
         return 2
     res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr),
-                reload=lambda: read_examples(data))
-    print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"]}))
+                reload=lambda: read_examples(data), stop_after=args.stop_after)
+    print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"], **({"stopped_at": res["stopped_at"]} if "stopped_at" in res else {})}))
     return 0
 
 

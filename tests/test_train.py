@@ -55,7 +55,8 @@ def test_loss_falls_and_tau_is_recorded(toy, examples, tmp_path, kind):
 def test_resume_continues_exactly(toy, examples, tmp_path):
     cfg = replace(PRESETS["toy"], steps=20, ckpt_every=10, eval_every=10)
     full = train(toy, examples, cfg, tmp_path / "full", progress=False)
-    train(toy, examples, replace(cfg, steps=10), tmp_path / "resumed", progress=False)
+    part = train(toy, examples, cfg, tmp_path / "resumed", progress=False, stop_after=10)  # a session that ends early
+    assert part["stopped_at"] == 10 and not (tmp_path / "resumed" / "final").exists()
     resumed = train(toy, examples, cfg, tmp_path / "resumed", progress=False)  # picks up at step 10
     a = load_drafter(tmp_path / "full" / "final", toy.target.shared, toy.target.arch)
     b = load_drafter(tmp_path / "resumed" / "final", toy.target.shared, toy.target.arch)
