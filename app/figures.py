@@ -289,6 +289,11 @@ def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.Dat
 # ----------------------------------------------------------------------------- pruning
 
 
+def _heal_label(h: dict) -> str:
+    kd = f"; α = {h['kd_alpha']:g} distillation from the unpruned drafter" if h.get("kd_alpha") else ""
+    return f"healed, held-out ({h['steps']} fine-tune steps{kd})"
+
+
 def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) -> go.Figure:
     """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
     user's current toggle choice."""
@@ -311,7 +316,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         ref = "the unpruned drafter fine-tuned as long" if curve.get("heal_reference") == "heal_control" else "full"
         fig.add_trace(go.Scatter(
             x=[p["removed"] for p in healed], y=[p["healed"].get("tau_eval", p["healed"]["tau"]) for p in healed],
-            mode="markers", name=f"healed, held-out ({healed[0]['healed']['steps']} fine-tune steps)",
+            mode="markers", name=_heal_label(healed[0]["healed"]),
             marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
             customdata=[p["healed"].get("tau_eval_rel", p["healed"]["tau_rel"]) for p in healed],
             hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata:.1%} of " + ref + ")<extra></extra>",

@@ -106,6 +106,9 @@ def test_pruning_curve_shows_held_out_and_healed_points():
     assert names == ["greedy pruning", "held-out prompts", "healed, held-out (150 fine-tune steps)", "unpruned + same fine-tune (control), held-out"]
     assert list(f.data[1].y) == [2.5, 2.2, 1.6] and list(f.data[2].y) == [2.6] and list(f.data[2].customdata) == [0.991]
     assert list(f.data[3].y) == [2.62]
+    pts[1]["healed"]["kd_alpha"] = 0.5  # healed by distilling the unpruned drafter: the legend says so
+    assert figures.pruning_curve_figure(curve).data[2].name == \
+        "healed, held-out (150 fine-tune steps; α = 0.5 distillation from the unpruned drafter)"
 
 
 def test_empty_figures_say_what_to_do():
