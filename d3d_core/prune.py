@@ -115,6 +115,8 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
         curve["heal_control"] = {**recipe, "tau": t, "tau_eval": te}
         print(f"control (unpruned + {steps} steps) saved in {res['out']}", file=sys.stderr)
         ref_tau, ref_eval = t, te
+    else:
+        curve.pop("heal_control", None)  # a reused curve's control measured another recipe
     for k in removed_counts:
         point = next((p for p in curve["curve"] if p["removed"] == k), None)
         if point is None or k == 0:
