@@ -58,7 +58,8 @@ greedy progression drops, at each step, the layer whose removal costs the least 
 fine-tune (`python -m d3d_core.prune --heal 1`) then trains the remaining layers with the removed ones
 skipped; the curve marks healed points as diamonds, measured against the unpruned drafter fine-tuned
 for the same number of steps (the fair reference: a drafter that is not fully trained improves with any
-extra training).
+extra training). With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
+distributions (distillation), which kept a little more τ than the target's tokens alone.
 """
 
 GLOSSARY = """
