@@ -311,7 +311,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{bl:.3f}", ar=f"{arl:.3f}", tau=f"{history[-1]['offline_tau']:.2f}")
         bar.update(1)
         done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        if done % cfg.eval_every == 0 or done == end:  # end: the last step of this run or of the schedule
             if reload is not None:
                 fresh = [e for e in reload() if not is_holdout(e["id"], cfg.holdout_pct)]
                 if len(fresh) > len(train_ex):

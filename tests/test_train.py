@@ -53,10 +53,11 @@ def test_loss_falls_and_tau_is_recorded(toy, examples, tmp_path, kind):
 
 
 def test_resume_continues_exactly(toy, examples, tmp_path):
-    cfg = replace(PRESETS["toy"], steps=20, ckpt_every=10, eval_every=10)
+    cfg = replace(PRESETS["toy"], steps=20, ckpt_every=10, eval_every=20)
     full = train(toy, examples, cfg, tmp_path / "full", progress=False)
     part = train(toy, examples, cfg, tmp_path / "resumed", progress=False, stop_after=10)  # a session that ends early
     assert part["stopped_at"] == 10 and not (tmp_path / "resumed" / "final").exists()
+    assert part["history"][-1]["step"] == 10  # the τ it reports is measured where it stopped
     resumed = train(toy, examples, cfg, tmp_path / "resumed", progress=False)  # picks up at step 10
     a = load_drafter(tmp_path / "full" / "final", toy.target.shared, toy.target.arch)
     b = load_drafter(tmp_path / "resumed" / "final", toy.target.shared, toy.target.arch)
