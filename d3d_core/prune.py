@@ -98,7 +98,8 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     base_skip = set(drafter.cfg.skip_layers)
     cfg = TrainConfig(kind="d3d", layers=L, block_size=drafter.cfg.block_size, steps=steps, lr=lr, warmup=min(20, steps // 5 + 1),
                       eval_every=steps, eval_seqs=8, ckpt_every=max(10, steps // 6), kd_alpha=kd)
-    teacher = drafter.pruned(sorted(base_skip)) if kd > 0 else None
+    unpruned = drafter.pruned(sorted(base_skip))
+    teacher = unpruned if kd > 0 else None
     recipe = {"steps": steps, "lr": lr, **({"kd_alpha": kd} if kd > 0 else {})}
 
     def tau_pair(d):
@@ -108,7 +109,7 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     ref_eval = curve["curve"][0].get("tau_eval")
     ref_tau = curve["curve"][0]["tau"]
     if control:
-        res = train(bundle, examples, cfg, out / "control", progress=progress, init=drafter.pruned(sorted(base_skip)),
+        res = train(bundle, examples, cfg, out / "control", progress=progress, init=unpruned,
                     init_note=f"healing control: the unpruned drafter fine-tuned {steps} steps like the pruned ones", teacher=teacher)
         ctl = load_drafter(res["out"], bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
         t, te = tau_pair(ctl)
