@@ -294,6 +294,24 @@ def _heal_label(h: dict) -> str:
     return f"healed, held-out ({h['steps']} fine-tune steps{kd})"
 
 
+def _ci_bars(points: list, ref: Optional[float], color: str) -> Optional[dict]:
+    """Asymmetric error bars (in τ) from each point's held-out interval of τ / ref."""
+    if not ref or not all("tau_eval_rel_ci" in p for p in points):
+        return None
+    return dict(type="data", symmetric=False, color=color, thickness=1.5, width=5,
+                array=[(p["tau_eval_rel_ci"][1] - p["tau_eval_rel"]) * ref for p in points],
+                arrayminus=[(p["tau_eval_rel"] - p["tau_eval_rel_ci"][0]) * ref for p in points])
+
+
+def _ci_text(p: dict) -> str:
+    ci = p.get("tau_eval_rel_ci")
+    return f"; 95 % CI {ci[0]:.1%}–{ci[1]:.1%}" if ci else ""
+
+
+def _held_out_label(pts: list) -> str:
+    return "held-out prompts (bars: 95 % CI)" if all("tau_eval_rel_ci" in p for p in pts) else "held-out prompts"
+
+
 def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) -> go.Figure:
     """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
     user's current toggle choice."""
@@ -306,28 +324,35 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         hovertemplate="%{x} removed: τ = %{y:.3f} (%{customdata[1]:.1%} of full)<br>kept layers: %{customdata[0]}<extra></extra>",
     ))
     if all("tau_eval" in p for p in pts):  # held-out prompts never used to choose layers
+        full_eval = pts[0]["tau_eval"]
         fig.add_trace(go.Scatter(
-            x=[p["removed"] for p in pts], y=[p["tau_eval"] for p in pts], mode="lines+markers", name="held-out prompts",
-            line=dict(color=SKY, dash="dot"), customdata=[p.get("tau_eval_rel", 1.0) for p in pts],
-            hovertemplate="%{x} removed: held-out τ = %{y:.3f} (%{customdata:.1%} of full)<extra></extra>",
+            x=[p["removed"] for p in pts], y=[p["tau_eval"] for p in pts], mode="lines+markers", name=_held_out_label(pts),
+            line=dict(color=SKY, dash="dot"), error_y=_ci_bars(pts, full_eval, SKY),
+            customdata=[[p.get("tau_eval_rel", 1.0), _ci_text(p)] for p in pts],
+            hovertemplate="%{x} removed: held-out τ = %{y:.3f} (%{customdata[0]:.1%} of full%{customdata[1]})<extra></extra>",
         ))
     healed = [p for p in pts if "healed" in p]
     if healed:
-        ref = "the unpruned drafter fine-tuned as long" if curve.get("heal_reference") == "heal_control" else "full"
-        fig.add_trace(go.Scatter(
-            x=[p["removed"] for p in healed], y=[p["healed"].get("tau_eval", p["healed"]["tau"]) for p in healed],
-            mode="markers", name=_heal_label(healed[0]["healed"]),
-            marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
-            customdata=[p["healed"].get("tau_eval_rel", p["healed"]["tau_rel"]) for p in healed],
-            hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata:.1%} of " + ref + ")<extra></extra>",
-        ))
         ctl = curve.get("heal_control")
+        ref = "the unpruned drafter fine-tuned as long" if curve.get("heal_reference") == "heal_control" else "full"
+        ref_eval = (ctl.get("tau_eval") if ctl else None) or pts[0].get("tau_eval")
+        hs = [p["healed"] for p in healed]
+        fig.add_trace(go.Scatter(
+            x=[p["removed"] for p in healed], y=[h.get("tau_eval", h["tau"]) for h in hs],
+            mode="markers", name=_heal_label(hs[0]), error_y=_ci_bars(hs, ref_eval, ORANGE),
+            marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
+            customdata=[[h.get("tau_eval_rel", h["tau_rel"]), _ci_text(h)] for h in hs],
+            hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata[0]:.1%} of " + ref + "%{customdata[1]})<extra></extra>",
+        ))
         if ctl:
             fig.add_trace(go.Scatter(
                 x=[0], y=[ctl.get("tau_eval") or ctl["tau"]], mode="markers", name="unpruned + same fine-tune (control), held-out",
                 marker=dict(size=11, symbol="diamond-open", color=ORANGE, line=dict(width=2)),
                 hovertemplate="control: the unpruned drafter fine-tuned the same steps, τ = %{y:.3f}<extra></extra>",
             ))
+            if ctl.get("tau_eval"):  # the line the healed diamond has to reach
+                fig.add_hline(y=0.99 * ctl["tau_eval"], line=dict(color=ORANGE, dash="dot", width=1),
+                              annotation_text="99 % of the control (held-out)", annotation_position="bottom right")
     t0 = pts[0]["tau"]
     fig.add_hline(y=0.99 * t0, line=dict(color=GREEN, dash="dash"), annotation_text="99 % of full τ (calibration)")
     if live is not None:

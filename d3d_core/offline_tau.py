@@ -69,7 +69,9 @@ def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list,
 
 
 def offline_tau(drafter, seqs: list, B: int = 8, stride: int = 4, target=None, per_seq: bool = False):
-    """Mean over anchors of (leading matches + 1). ``target`` is needed for DFlash drafters."""
+    """Mean over anchors of (leading matches + 1). ``target`` is needed for DFlash drafters.
+    ``per_seq``: also return [(Σ τ, n anchors)] per usable sequence — the anchors depend only on
+    the sequence, so two drafters' lists pair up (see ``paired_ratio_ci``)."""
     taus = []
     per = []
     for s in seqs:
@@ -89,11 +91,27 @@ def offline_tau(drafter, seqs: list, B: int = 8, stride: int = 4, target=None, p
         lead = eq.cumprod(dim=1).sum(dim=1)  # leading matches per anchor
         t = (lead + 1).float()
         taus.append(t)
-        per.append(float(t.mean()))
+        per.append((float(t.sum()), len(anchors)))
     if not taus:
         raise ValueError("calibration set has no usable anchors (responses shorter than the block)")
     tau = float(torch.cat(taus).mean())
     return (tau, per) if per_seq else tau
+
+
+def paired_ratio_ci(num: list, den: list, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list:
+    """Bootstrap interval of τ(num) / τ(den) on the same sequences (``offline_tau(per_seq=True)``
+    lists): resample whole sequences, because anchors inside one continuation are correlated;
+    the pairing cancels the sequences' own difficulty, which both drafters share."""
+    import numpy as np
+
+    if len(num) != len(den) or any(a[1] != b[1] for a, b in zip(num, den)):
+        raise ValueError("paired_ratio_ci needs per-sequence τ of two drafters on the same sequences")
+    a = np.array([s for s, _ in num])
+    b = np.array([s for s, _ in den])
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(n_boot, len(a)))
+    r = a[idx].sum(1) / b[idx].sum(1)  # the anchor counts are equal, so they cancel
+    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]
 
 
 # ----------------------------------------------------------------------------- calibration sets

@@ -3,6 +3,7 @@
     python -m d3d_core.train --kind d3d --bundle smollm2-135m --layers 8 --block-size 8 \\
         --steps 4000 --out runs/d3d-8L
     python -m d3d_core.train --kind dflash --layers 2 --steps 4000 --out runs/dflash-2L
+    python -m d3d_core.train --init assets/drafters/smollm2-135m/d3d --steps 400 --lr 3e-4 --out runs/d3d-more
 
 Both drafters see the same data, the same random anchors inside responses and the same
 weighted block loss ``w_k = exp(-(k-1)/γ)`` on block positions 1..B-1 (D3D also on its
@@ -10,6 +11,7 @@ lookahead slot B), so equal steps = equal training budget. D3D adds ``λ ×`` ne
 cross-entropy on its context stream (the auxiliary AR supervision). The target's embedding
 and LM head stay frozen. Every ``--ckpt-every`` steps the drafter and the optimizer state are
 written as safetensors (+ JSON) to ``--out``; rerunning the same command resumes there.
+``--init`` fine-tunes a trained drafter (e.g. the shipped one on newly distilled data) instead.
 """
 
 from __future__ import annotations
@@ -347,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--init", default=None,
+                    help="fine-tune this saved drafter (directory, or a training run) instead of starting from target layers")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="run at most this many steps now (checkpointed; rerun to continue on the same schedule)")
     for f, default in asdict(TrainConfig()).items():
@@ -365,8 +369,25 @@ def main(argv=None) -> int:
     if not examples:
         print("error: no self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
         return 2
-    res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr),
-                reload=lambda: read_examples(data), stop_after=args.stop_after)
+    init = None
+    if args.init:
+        from .offline_tau import load_any_drafter
+
+        try:
+            init, _ = load_any_drafter(args.init, bundle)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot load --init {args.init}: {e}", file=sys.stderr)
+            return 2
+        if not args.preset and args.kind is None:
+            cfg = replace(cfg, kind=init.cfg.kind)
+        cfg = replace(cfg, layers=init.cfg.num_layers, block_size=args.block_size or init.cfg.block_size)
+    try:
+        res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr),
+                    reload=lambda: read_examples(data), stop_after=args.stop_after, init=init,
+                    init_note=f"fine-tuned from {args.init}" if init is not None else "")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"], **({"stopped_at": res["stopped_at"]} if "stopped_at" in res else {})}))
     return 0
 

@@ -104,8 +104,20 @@ def test_pruning_curve_shows_held_out_and_healed_points():
     f = figures.pruning_curve_figure(curve)
     names = [d.name for d in f.data]
     assert names == ["greedy pruning", "held-out prompts", "healed, held-out (150 fine-tune steps)", "unpruned + same fine-tune (control), held-out"]
-    assert list(f.data[1].y) == [2.5, 2.2, 1.6] and list(f.data[2].y) == [2.6] and list(f.data[2].customdata) == [0.991]
-    assert list(f.data[3].y) == [2.62]
+    assert list(f.data[1].y) == [2.5, 2.2, 1.6] and list(f.data[2].y) == [2.6] and list(f.data[2].customdata[0]) == [0.991, ""]
+    assert list(f.data[3].y) == [2.62] and f.data[2].error_y.array is None  # no interval measured: no bars
+    # the dotted line the healed point must reach: 99 % of the control's held-out τ
+    assert any(abs(s.y0 - 0.99 * 2.62) < 1e-9 for s in f.layout.shapes)
+    # held-out intervals become error bars in τ units (interval of τ/ref × ref) and enter the hover text
+    for p, ci in zip(pts, ([1.0, 1.0], [0.85, 0.91], [0.6, 0.7])):
+        p["tau_eval_rel_ci"] = ci
+    pts[1]["healed"]["tau_eval_rel_ci"] = [0.97, 1.01]
+    f = figures.pruning_curve_figure(curve)
+    assert f.data[1].name == "held-out prompts (bars: 95 % CI)"
+    assert abs(f.data[1].error_y.array[1] - (0.91 - 2.2 / 2.5) * 2.5) < 1e-9
+    assert abs(f.data[1].error_y.arrayminus[1] - (2.2 / 2.5 - 0.85) * 2.5) < 1e-9
+    assert abs(f.data[2].error_y.array[0] - (1.01 - 0.991) * 2.62) < 1e-9  # the healed bar is relative to the control
+    assert f.data[2].customdata[0][1] == "; 95 % CI 97.0%–101.0%"
     pts[1]["healed"]["kd_alpha"] = 0.5  # healed by distilling the unpruned drafter: the legend says so
     assert figures.pruning_curve_figure(curve).data[2].name == \
         "healed, held-out (150 fine-tune steps; α = 0.5 distillation from the unpruned drafter)"

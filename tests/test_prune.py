@@ -16,6 +16,9 @@ def test_curve_is_well_formed(toy):
     assert sorted(c["order"] + c["curve"][-1]["kept"]) == list(range(L))
     for k, p in enumerate(c["curve"]):
         assert p["removed"] == k and len(p["kept"]) == L - k and "tau_eval" in p
+        lo, hi = p["tau_eval_rel_ci"]  # a paired interval that holds its own point
+        assert lo - 1e-9 <= p["tau_eval_rel"] <= hi + 1e-9
+    assert c["curve"][0]["tau_eval_rel_ci"] == [1.0, 1.0] and c["ci"]["level"] == 0.95
     assert set(c["marginal_cost"]) == {str(i) for i in range(L)}
     # the greedy choice at step 1 is the layer with the smallest marginal cost
     first = c["order"][0]
@@ -37,6 +40,7 @@ def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path
     heal(toy, d, c, [1], examples, calib, evals, tmp_path, steps=6, lr=1e-3, B=4, stride=2, progress=False)
     h = c["curve"][1]["healed"]
     assert h["steps"] == 6 and 1.0 <= h["tau"] <= 4 and "tau_eval_rel" in h
+    assert h["tau_eval_rel_ci"][0] - 1e-9 <= h["tau_eval_rel"] <= h["tau_eval_rel_ci"][1] + 1e-9
     ctl = c["heal_control"]
     assert h["tau_rel"] == h["tau"] / ctl["tau"] and c["heal_reference"] == "heal_control"
     healed = load_drafter(tmp_path / "removed-1" / "final", toy.target.shared, toy.target.arch)
@@ -48,3 +52,39 @@ def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path
     assert not any(k.startswith(f"layers.{gone}.") for k in changed), "a skipped layer was trained"
     assert any(k.startswith("layers.") for k in changed)
     assert d.cfg.skip_layers == () and not d.training  # the bundle's drafter is untouched
+
+
+def test_paired_ratio_ci():
+    import pytest
+
+    from d3d_core.offline_tau import paired_ratio_ci
+
+    base = [(30.0, 20), (50.0, 20), (24.0, 12), (40.0, 16)]
+    assert paired_ratio_ci(base, base) == [1.0, 1.0]
+    up = [(s * 1.1, n) for s, n in base]  # 10 % better on every sequence: no doubt about it
+    lo, hi = paired_ratio_ci(up, base)
+    assert abs(lo - 1.1) < 1e-9 and abs(hi - 1.1) < 1e-9
+    mixed = [(s * f, n) for (s, n), f in zip(base, (1.3, 0.8, 1.2, 0.85))]  # better on some, worse on others
+    lo, hi = paired_ratio_ci(mixed, base)
+    assert lo < 1.0 < hi and hi - lo > 0.1
+    with pytest.raises(ValueError):
+        paired_ratio_ci(base[:3], base)
+    with pytest.raises(ValueError):
+        paired_ratio_ci([(30.0, 19)] + base[1:], base)  # different anchors: not the same sequences
+
+
+def test_held_out_intervals_can_be_added_to_an_older_curve(toy):
+    import pytest
+
+    from d3d_core.prune import add_held_out_ci
+
+    d = toy.drafter("d3d")
+    seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "hello", "count to ten"], 40)
+    calib, evals = seqs[:2], seqs[2:]
+    c = progressive_prune(d, calib, evals, B=4, stride=2)
+    old = {**c, "curve": [{k: v for k, v in p.items() if k != "tau_eval_rel_ci"} for p in c["curve"]]}
+    old.pop("ci")
+    add_held_out_ci(old, d, evals, B=4, stride=2)
+    assert [p["tau_eval_rel_ci"] for p in old["curve"]] == [p["tau_eval_rel_ci"] for p in c["curve"]]
+    with pytest.raises(ValueError, match="not the curve's held-out set"):
+        add_held_out_ci(old, d, calib, B=4, stride=2)

@@ -105,3 +105,25 @@ def test_distillation_from_a_teacher_pulls_the_pruned_drafter_towards_it(toy, ex
     after = _mean_block_loss(healed, toy, examples, cfg, teacher)
     assert after < 0.7 * before, (before, after)
     assert healed.cfg.training["train_config"]["kd_alpha"] == 1.0
+
+
+def test_cli_fine_tunes_a_saved_drafter(toy, examples, tmp_path, capsys):
+    import json
+
+    from d3d_core.train import main
+
+    data = tmp_path / "distill"
+    data.mkdir()
+    (data / "shard_00000.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    start = toy.drafter("d3d")
+    start.save(tmp_path / "start")
+    args = ["--bundle", "toy", "--preset", "toy", "--data", str(data), "--steps", "4", "--eval-every", "4", "--lr", "1e-3"]
+    assert main(args + ["--out", str(tmp_path / "ft"), "--init", str(tmp_path / "start")]) == 0
+    ft = load_drafter(tmp_path / "ft" / "final", toy.target.shared, toy.target.arch)
+    assert ft.cfg.training["fine_tune_note"] == f"fine-tuned from {tmp_path / 'start'}"
+    assert ft.cfg.num_layers == start.cfg.num_layers and ft.cfg.init_layers == start.cfg.init_layers
+    before, after = start.state_dict(), ft.state_dict()
+    assert any(not torch.allclose(before[k].float(), after[k].float()) for k in before)  # it was trained from there
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "bad"), "--init", str(tmp_path / "missing")]) == 2
+    assert "cannot load --init" in capsys.readouterr().err
