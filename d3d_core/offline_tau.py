@@ -213,14 +213,21 @@ def main(argv=None) -> int:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
     print(f"{len(seqs)} held-out sequences ({f}), B={args.block_size}, stride {args.stride}")
+    first = None  # (τ, per-sequence sums) of the first drafter that loads: the reference for the ratios
     for path in args.drafters:
         try:
             d, step = load_any_drafter(path, bundle)
         except (OSError, ValueError, KeyError) as e:
             print(f"{path}: cannot load ({e})", file=sys.stderr)
             continue
-        t = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target)
-        print(f"{t:.3f}  {d.cfg.kind} {len(d.active_layers())}L" + (f" step {step}" if step is not None else "") + f"  {path}")
+        t, per = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target, per_seq=True)
+        vs = ""
+        if first is None:
+            first = (t, per)
+        else:  # paired with the first drafter on the same sequences
+            lo, hi = paired_ratio_ci(per, first[1])
+            vs = f"  ({t / first[0]:.1%} of the first, 95 % CI {lo:.1%}–{hi:.1%})"
+        print(f"{t:.3f}  {d.cfg.kind} {len(d.active_layers())}L" + (f" step {step}" if step is not None else "") + f"  {path}{vs}")
     return 0
 
 
