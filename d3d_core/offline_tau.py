@@ -187,7 +187,6 @@ def main(argv=None) -> int:
     """Offline τ of drafters on fixed held-out sets: the target's continuations of benchmark
     prompts (no training or calibration saw them), cached under $D3D_CACHE/eval/."""
     import argparse
-    import json
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m d3d_core.offline_tau", description=main.__doc__.split("\n")[0])
@@ -199,19 +198,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--stride", type=int, default=2)
     args = ap.parse_args(argv)
-    from .bundles import cache_dir, get_bundle
-    from .prune import benchmark_continuations
+    from .bundles import get_bundle
+    from .prune import held_out_set
 
     bundle = get_bundle(args.bundle)
-    f = cache_dir() / "eval" / f"{args.bundle}-n{args.n}-t{args.tokens}.json"
-    if f.is_file():
-        seqs = [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in json.loads(f.read_text())]
-    else:
-        from .datasets import data_dir
-
-        seqs = benchmark_continuations(bundle, str(data_dir(args.data_dir)), args.n, args.tokens)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
+    seqs, f = held_out_set(bundle, args.data_dir, args.n, args.tokens)
     print(f"{len(seqs)} held-out sequences ({f}), B={args.block_size}, stride {args.stride}")
     first = None  # (τ, per-sequence sums) of the first drafter that loads: the reference for the ratios
     for path in args.drafters:

@@ -189,6 +189,24 @@ def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed
     return out
 
 
+def held_out_set(bundle, root, n: int, max_new_tokens: int) -> tuple:
+    """``benchmark_continuations`` cached under $D3D_CACHE/eval/<bundle>-n<n>-t<tokens>.json (the
+    target's greedy continuations take minutes on a CPU; pruning and ``python -m d3d_core.offline_tau``
+    share the file, so both score drafters on the same sequences). Returns (seqs, path)."""
+    from .bundles import cache_dir
+    from .datasets import data_dir
+
+    f = cache_dir() / "eval" / f"{bundle.name}-n{n}-t{max_new_tokens}.json"
+    if f.is_file():
+        return [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in json.loads(f.read_text())], f
+    seqs = benchmark_continuations(bundle, str(data_dir(root)), n, max_new_tokens)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".part")
+    tmp.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
+    tmp.replace(f)  # a killed run leaves no half-written set behind
+    return seqs, f
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m d3d_core.prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
@@ -235,7 +253,7 @@ def main(argv=None) -> int:
     ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
     held = split_holdout(ex, args.max_len)[1]  # never trained on
     if args.data_dir and len(held) >= args.calib:
-        calib, evals = held[: args.calib], benchmark_continuations(bundle, args.data_dir, args.eval, args.eval_tokens)
+        calib, evals = held[: args.calib], held_out_set(bundle, args.data_dir, args.eval, args.eval_tokens)[0]
     elif len(held) >= args.calib + args.eval:
         calib, evals = held[: args.calib], held[args.calib : args.calib + args.eval]
     else:  # no distill data: the target's continuations of a few built-in prompts
