@@ -60,9 +60,9 @@ skipped; the curve marks healed points as diamonds, measured against the unprune
 for the same number of steps (the fair reference: a drafter that is not fully trained improves with any
 extra training). With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
 distributions (distillation), which kept a little more τ than the target's tokens alone.
-The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): with about
-50 prompts, a gap of a percent or two can be noise, so "keeps 99 %" is only settled where the whole bar
-clears the dotted 99 % line.
+The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): even with
+a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 %" is only settled where
+the whole bar clears the dotted 99 % line.
 """
 
 GLOSSARY = """

@@ -308,7 +308,8 @@ def main(argv=None) -> int:
     if "heal_control" in curve:
         c = curve["heal_control"]
         print(f"control: unpruned + {c['steps']} steps  τ {c['tau']:.3f}" + (f"  held-out τ {c['tau_eval']:.3f}" if c.get("tau_eval") else ""))
-    print(f"best within 99 %: {curve['best_99']['removed']} layers removed; wrote {out}", file=sys.stderr)
+    healed = f", {curve['best_99_healed']['removed']} after healing" if curve.get("best_99_healed") else ""
+    print(f"best within 99 %: {curve['best_99']['removed']} layers removed{healed}; wrote {out}", file=sys.stderr)
     return 0
 
 
