@@ -32,12 +32,12 @@ def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B:
     base_skip = set(drafter.cfg.skip_layers)
     layers = [i for i in range(L) if i not in base_skip]
 
-    def tau_of(skip, seqs):
-        return offline_tau(drafter.pruned(sorted(base_skip | set(skip))), seqs, B=B, stride=stride, target=target)
+    def tau_of(skip, seqs, per_seq=False):
+        return offline_tau(drafter.pruned(sorted(base_skip | set(skip))), seqs, B=B, stride=stride, target=target,
+                           per_seq=per_seq)
 
     def held_out(skip):  # (τ, per-sequence sums) on the held-out prompts
-        return offline_tau(drafter.pruned(sorted(base_skip | set(skip))), eval_seqs, B=B, stride=stride, target=target,
-                           per_seq=True) if eval_seqs else (None, None)
+        return tau_of(skip, eval_seqs, per_seq=True) if eval_seqs else (None, None)
 
     full = tau_of([], calib)
     full_eval, full_per = held_out([])
