@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fastops
+
 NEG_INF = -1e9  # additive mask value; finite so fully-masked rows never produce NaN
 
 
@@ -159,23 +161,28 @@ class Attention(nn.Module):
 
     def project_kv(self, x, cos, sin):
         """x: (1, N, H) -> k, v: (1, nkv, N, hd), RoPE applied to k."""
-        n = x.shape[1]
-        k = self.k_proj(x).view(1, n, self.nkv, self.hd)
+        k, v = fastops.fused_linear(self, "kv", [self.k_proj, self.v_proj], x)
+        return self._shape_kv(k, v, cos, sin)
+
+    def _shape_kv(self, k, v, cos, sin):
+        n = k.shape[1]
+        k = k.reshape(1, n, self.nkv, self.hd)
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(1, n, self.nkv, self.hd).transpose(1, 2)
+        v = v.reshape(1, n, self.nkv, self.hd).transpose(1, 2)
         return k, v
 
     def forward(self, x, cos, sin, past, mask):
         """x: (1, N, H); past: (k, v) each (1, nkv, T, hd) or None; mask: (1, 1, N, T+N)
         additive float. Returns the output (1, N, H) and this forward's (k, v)."""
         n = x.shape[1]
-        q = self.q_proj(x).view(1, n, self.nh, self.hd)
+        q, k_new, v_new = fastops.fused_linear(self, "qkv", [self.q_proj, self.k_proj, self.v_proj], x)
+        q = q.reshape(1, n, self.nh, self.hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (1, nh, N, hd)
-        k_new, v_new = self.project_kv(x, cos, sin)
+        k_new, v_new = self._shape_kv(k_new, v_new, cos, sin)
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k_new], dim=2)
             v = torch.cat([past[1], v_new], dim=2)
@@ -184,7 +191,7 @@ class Attention(nn.Module):
         # float additive mask: bool masks are silently wrong with some kernels (DESIGN §6)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
         y = y.transpose(1, 2).reshape(1, n, self.nh * self.hd)
-        return self.o_proj(y), (k_new, v_new)
+        return fastops.linear(self.o_proj, y), (k_new, v_new)
 
 
 class MLP(nn.Module):
@@ -195,7 +202,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fastops.fused_linear(self, "gate_up", [self.gate_proj, self.up_proj], x)
+        return fastops.linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -323,10 +331,10 @@ class _DrafterBase(nn.Module):
         it drafted, and a token outside the list just cannot be drafted (the bonus can still be it)."""
         x = self.norm(h)
         if not self.cfg.vocab_shortlist or self.training:
-            return self.shared.lm_head(x)
+            return fastops.linear(self.shared.lm_head, x)
         ids, w = self._shortlist_rows(x)
         out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
-        out[..., ids] = x @ w.T  # (..., K) scattered into (..., V)
+        out[..., ids] = fastops.rows_linear(self, f"shortlist-{hash(self.cfg.vocab_shortlist)}", w, x)  # (..., K) scattered into (..., V)
         return out
 
     def _shortlist_rows(self, like: torch.Tensor):

@@ -1,8 +1,17 @@
 """The target model: prefill, verify a block with KV rollback, capture hidden states.
 
-A thin wrapper over a Hugging Face causal LM and its ``DynamicCache``. The cache always
-holds the *committed* positions the target has processed; the anchor of the next block is
-committed but not yet in the cache (verify feeds it as the block's first token).
+Two engines behind one interface (``Target.forward``), chosen per cache:
+
+- **fast** (CPU, fp32, Llama / Qwen3 layers): our own forward over the Hugging Face model's
+  weights — q|k|v and gate|up fused into one prepacked oneDNN GEMM each (``fastops``), a
+  preallocated KV cache written in place (rollback moves a length, nothing is copied), RoPE
+  tables computed once, GQA attention as one SDPA call per KV head group, and the LM head
+  only on the rows whose logits are asked for. Every mode, ``ar`` included, runs through it.
+- **eager**: the Hugging Face model with its ``DynamicCache`` (GPU, other architectures, or
+  ``D3D_ENGINE=eager`` / ``engine="eager"`` for comparison).
+
+The cache always holds the *committed* positions the target has processed; the anchor of the
+next block is committed but not yet in the cache (verify feeds it as the block's first token).
 """
 
 from __future__ import annotations
@@ -11,8 +20,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
+from . import fastops
 from .drafters import ArchConfig, SharedParts
+
+ENGINES = ("fast", "eager")
 
 
 @dataclass
@@ -21,8 +34,46 @@ class TargetOutput:
     feats: Optional[torch.Tensor]  # (1, n_fed, k*H) hidden states of the chosen layers, or None
 
 
+class StaticKV:
+    """Preallocated per-layer K/V for one sequence (fast engine): k[i], v[i] are (nkv, capacity, hd),
+    positions 0..length-1 are valid. Grows by doubling; rollback only moves ``length``. Speaks the
+    two methods of HF's cache that ``Target`` uses (``get_seq_length``, ``crop``)."""
+
+    def __init__(self, n_layers: int, nkv: int, hd: int, dtype, device, capacity: int = 512):
+        self.shape = (nkv, hd)
+        self.k = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def reserve(self, n: int) -> None:
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for kv in (self.k, self.v):
+            for i, t in enumerate(kv):
+                new = t.new_empty(t.shape[0], cap, t.shape[2])
+                new[:, : self.length] = t[:, : self.length]
+                kv[i] = new
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """HF semantics: a negative value removes that many positions, a positive one keeps that many."""
+        keep = self.length + max_length if max_length < 0 else min(max_length, self.length)
+        self.length = max(0, keep)
+
+
 class Target:
-    def __init__(self, model, name: str = "target"):
+    def __init__(self, model, name: str = "target", engine: str = "fast"):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+        self.engine_request = engine
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -47,7 +98,27 @@ class Target:
     def num_layers(self) -> int:
         return self.arch.num_target_layers
 
+    @property
+    def engine(self) -> str:
+        """The engine new caches get: "fast" where it can run (CPU, fp32, Llama / Qwen3 layers,
+        oneDNN present and not switched off), else "eager"."""
+        return "fast" if self.fast_reason() is None else "eager"
+
+    def fast_reason(self) -> Optional[str]:
+        """None when the fast engine applies, else why not (shown by the app and the bench)."""
+        if self.engine_request != "fast":
+            return "eager engine requested"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"fast engine is CPU fp32 only (this target: {self.device.type}, {self.dtype})"
+        if self.config.model_type not in ("llama", "qwen3"):
+            return f"fast engine implements Llama / Qwen3 layers, not {self.config.model_type}"
+        st = fastops.status()
+        return None if st["engine"] == "fast" else st["reason"]
+
     def new_cache(self):
+        if self.engine == "fast":
+            self._fast_tables()
+            return StaticKV(len(self.layers), self.arch.num_key_value_heads, self.arch.head_dim, self.dtype, self.device)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
@@ -56,6 +127,8 @@ class Target:
     def forward(self, cache, ids: torch.Tensor, n_logits: int, feature_layers: tuple = ()) -> TargetOutput:
         """Feed ids (n,) after the cached positions; return logits for the last n_logits
         positions and, when feature_layers is given, their hidden states (all n fed)."""
+        if isinstance(cache, StaticKV):
+            return self._forward_fast(cache, ids, n_logits, feature_layers)
         ids = ids.to(self.device)[None]
         out = self.model(
             input_ids=ids,
@@ -69,6 +142,79 @@ class Target:
             # hidden_states[0] is the embedding output; layer l's output is hidden_states[l + 1]
             feats = torch.cat([out.hidden_states[l + 1] for l in feature_layers], dim=-1)
         return TargetOutput(out.logits[0].float(), feats)
+
+    # ------------------------------------------------------------------ the fast engine
+
+    def _fast_tables(self) -> None:
+        """RoPE as complex rotations for every position, computed once with the model's own rotary
+        embedding. The fast engine stores q and k with each head's two rotary halves interleaved
+        (the q/k weight rows are permuted once when packed; q·k is unchanged by a permutation
+        applied to both), so RoPE is one complex multiply over q and k together."""
+        if getattr(self, "_freqs", None) is None:
+            pos = torch.arange(self.max_positions, device=self.device)[None]
+            like = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.shared.rotary_emb(like, pos)  # (1, P, hd), rotate_half convention
+            half = self.arch.head_dim // 2
+            self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (P, hd/2)
+            self._perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
+
+    def _prep_qkv(self, w, b):
+        """Interleave the rotary halves of every q and k head's rows (v rows unchanged)."""
+        hd, n_qk = self.arch.head_dim, self.arch.num_attention_heads + self.arch.num_key_value_heads
+        idx = torch.cat([h * hd + self._perm for h in range(n_qk)] + [torch.arange(n_qk * hd, w.shape[0])])
+        return w[idx], (b[idx] if b is not None else None)
+
+    def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple) -> TargetOutput:
+        n, T = ids.shape[0], cache.length
+        if T + n > self.max_positions:
+            raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
+        cache.reserve(n)
+        eps, H = self.arch.rms_norm_eps, (self.arch.hidden_size,)
+        x = self.shared.embed_tokens(ids.to(self.device))  # (n, H)
+        rot = self._freqs[T : T + n, None]  # (n, 1, hd/2) complex
+        mask = None
+        if n > 1:  # causal inside the fed tokens; every cached position is visible
+            mask = torch.zeros(n, T + n, dtype=x.dtype, device=x.device)
+            mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
+        feats = {}
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, H, layer.input_layernorm.weight, eps)
+            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask)
+            h = F.rms_norm(x, H, layer.post_attention_layernorm.weight, eps)
+            mlp = layer.mlp
+            gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h)
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], F.silu(gate) * up)
+            if i in feature_layers:
+                feats[i] = x
+        cache.length = T + n
+        h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
+        logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h)  # (n_logits, V)
+        f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
+        return TargetOutput(logits.float(), f)
+
+    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask):
+        """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1."""
+        n = x.shape[0]
+        nh, nkv, hd = self.arch.num_attention_heads, self.arch.num_key_value_heads, self.arch.head_dim
+        qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv)
+        qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), attn.q_norm.weight[self._perm], attn.q_norm.variance_epsilon),
+                            F.rms_norm(qk[:, nh:], (hd,), attn.k_norm.weight[self._perm], attn.k_norm.variance_epsilon)], 1)
+        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(n, nh + nkv, hd // 2, 2)) * rot).reshape(n, nh + nkv, hd)
+        cache.k[i][:, T : T + n] = qk[:, nh:].transpose(0, 1)
+        cache.v[i][:, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
+        K, V = cache.k[i][:, : T + n], cache.v[i][:, : T + n]  # (nkv, T+n, hd)
+        g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
+        q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
+        m = None if mask is None else mask.repeat(g, 1)
+        y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
+        y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
+        return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y)
+
+    # ------------------------------------------------------------------ the decode API
 
     def prefill(self, cache, prompt_ids: torch.Tensor, feature_layers: tuple = ()) -> TargetOutput:
         """Process the prompt; logits (1, V) predict the first output token."""
@@ -87,3 +233,4 @@ class Target:
     @staticmethod
     def cache_len(cache) -> int:
         return cache.get_seq_length()
+
