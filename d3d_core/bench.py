@@ -16,41 +16,19 @@ import argparse
 import csv
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from . import fastops
 from .config import DecodeConfig
+from .machine import QuietWatch, machine_info
+from .peers import PEERS, run_peer
 from .trace import MODES
 
 SUMMARY_COLS = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap", "tokens"]
-
-
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def row_of(item, trace, ref_ids: Optional[list]) -> dict:
@@ -116,13 +94,13 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
             if ar_toks and tpt:
                 speed = (ar_t / ar_toks) / tpt
         rounds = sum(r["rounds"] for r in rs)
-        acc_tokens = sum(r["tau"] * r["rounds"] for r in rs)
+        acc_tokens = sum(r["tau"] * r["rounds"] for r in rs if r["tau"] is not None)
         lossless = [r["lossless"] for r in rs if r["lossless"] is not None]
         return {
             "dataset": dataset,
             "mode": mode,
             "n": len(rs),
-            "tau": acc_tokens / rounds if rounds else 0.0,
+            "tau": acc_tokens / rounds if rounds else (None if mode in PEERS else 0.0),
             "tokens_per_s": toks / t if t else 0.0,
             "speedup": speed,
             "lossless_rate": (sum(lossless) / len(lossless)) if lossless else None,
@@ -198,9 +176,9 @@ def item_ids(bundle, it, base: DecodeConfig) -> list:
 
 
 def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
-              block_sizes: Optional[list] = None) -> list:
+              block_sizes: Optional[list] = None, peers: tuple = ()) -> list:
     """Decode every item with every mode (item-major; ar once per item, drafting modes once
-    per block size). Returns per-(item, mode, block size) rows."""
+    per block size, then each peer once). Returns per-(item, mode, block size) rows."""
     from tqdm import tqdm
 
     from .engine import decode
@@ -214,7 +192,7 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
         decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
     rows = []
     draft_modes = [m for m in modes if m != "ar"]
-    bar = tqdm(total=len(items) * (("ar" in modes) + len(draft_modes) * len(block_sizes)), desc="bench", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(items) * (("ar" in modes) + len(draft_modes) * len(block_sizes) + len(peers)), desc="bench", file=sys.stderr, disable=not progress)
     for it in items:
         ids = item_ids(bundle, it, base)
         ref = None
@@ -226,6 +204,9 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
             greedy = base.temperature == 0
             rows.append(dict(row_of(it, tr, (tr.output_ids if m == "ar" else ref) if greedy and ref is not None else None), block_size=B))
             bar.set_postfix(mode=m, B=B, tau=f"{tr.stats.tau:.2f}")
+            bar.update(1)
+        for p in peers:
+            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size))
             bar.update(1)
     bar.close()
     return rows
@@ -269,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
     p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
     p.add_argument("--device", default=None)
+    p.add_argument("--engine", choices=["fast", "eager"], default="fast",
+                   help="fast: prepacked CPU forwards for target and drafters (every mode); eager: the Hugging Face forward")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="comma list of peers run beside the modes at temperature 0 (" + ", ".join(PEERS) + "), or 'none'")
     p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H) and check the latency model")
     p.add_argument("--block-sizes", default="", help="sweep: comma list of block sizes (e.g. 2,4,8,16); the table uses --block-size")
     p.add_argument("--out", default="results/bench.json")
@@ -286,6 +271,13 @@ def main(argv=None) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+        peers = [] if args.peers.strip() in ("", "none") else [x.strip() for x in args.peers.split(",") if x.strip()]
+        bad = [x for x in peers if x not in PEERS]
+        if bad:
+            raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
+        if args.temperature > 0:
+            peers = []  # peers are greedy baselines
+        fastops.set_enabled(args.engine == "fast")
         datasets = parse_datasets(args.datasets)
         base = DecodeConfig(
             mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -306,21 +298,25 @@ def main(argv=None) -> int:
     drafters = load_override_drafters(bundle, args)
     dist = Dist.from_env(bundle.device)
     t0 = time.time()
+    watch = QuietWatch()
     rows = []
     for ds in datasets:
         mine = dist.shard(items_by_ds[ds])
         rows += run_bench(bundle, mine, modes, base, progress=not args.no_progress and dist.rank == 0, drafters=drafters,
-                          block_sizes=block_sizes)
+                          block_sizes=block_sizes, peers=tuple(peers))
     rows = dist.gather(rows)
     if dist.rank != 0:
         dist.close()
         return 0
     rows.sort(key=lambda r: (datasets.index(r["dataset"]), r["id"], r["mode"], r["block_size"]))
     main_rows = [r for r in rows if r["block_size"] == base.block_size or r["mode"] == "ar"]
-    summary = summarize(main_rows, datasets, modes)
+    summary = summarize(main_rows, datasets, modes + peers)
+    quiet = watch.stop()
     result = {
         "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine_info(),
+        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status()},
+        "quiet": quiet.to_json(),
         "wall_time_s": time.time() - t0,
         "rows": rows,
         "summary": summary,
@@ -338,7 +334,10 @@ def main(argv=None) -> int:
 
     result["latency_model_in_run"] = validate_in_run(result)
     written = write_outputs(Path(args.out), result)
+    print(f"{result['machine']['cpu']}, {result['engine']['target']} engine")
     print(table_text(summary))
+    if quiet.noisy:
+        print(f"\nWARNING: {quiet.warning}", file=sys.stderr)
     if "sweep" in result:
         print("\nblock-size sweep (τ / speedup):")
         for m, pts in result["sweep"].items():

@@ -124,3 +124,172 @@ def costs_text(c: dict) -> str:
         lines.append(f"verify(B={c['packed_block_size']}) ‖ packed pass, 1 thread each, at the same time: " + ", ".join(
             f"H={h}: {v['verify']:.1f} ‖ {v['packed']:.1f} (round {v['round']:.1f})" for h, v in c["concurrent_ms"].items()))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the cost breakdown
+#
+#     python -m d3d_core.costs --bundle smollm2-135m --out results/costs.json
+#
+# For every forward the modes run (step(1), verify(B), the D3D draft, the packed pass for H
+# hypotheses, the DFlash draft), at 1 and 2 threads: wall ms, the share spent in the layer
+# GEMMs, attention, the LM head and everything else (a torch profile of the same forward), and
+# the bound this machine puts on it (bytes read / measured bandwidth, FLOPs / measured GEMM rate).
+
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
+PARTS = ("layer_gemm", "attention", "lm_head", "other")
+
+
+def machine_limits(threads: int, mb: int = 256) -> dict:
+    """Measured read bandwidth (GB/s, a sum over ``mb`` MB) and fp32 GEMM rate (GFLOP/s, 1024³)."""
+    with cpu_threads(threads), torch.inference_mode():
+        x = torch.ones(mb * 2**20 // 4)
+        bw_ms = _median_ms(lambda: x.sum(), 5)
+        a = torch.randn(1024, 1024)
+        mm_ms = _median_ms(lambda: a @ a, 5)
+    return {"threads": threads, "read_gb_s": x.numel() * 4 / bw_ms / 1e6, "gemm_gflop_s": 2 * 1024**3 / mm_ms / 1e6}
+
+
+def _layer_params(arch) -> int:
+    h, i, kv = arch.hidden_size, arch.intermediate_size, arch.num_key_value_heads * arch.head_dim
+    return h * arch.num_attention_heads * arch.head_dim * 2 + 2 * h * kv + 3 * h * i
+
+
+def work_of(arch, n_rows: int, n_layers: int, head_rows: int, head_vocab: int, ctx: int) -> dict:
+    """Bytes read (fp32 weights + KV) and FLOPs of a forward over ``n_rows`` query rows."""
+    p = _layer_params(arch) * n_layers + head_vocab * arch.hidden_size
+    kv = 2 * n_layers * arch.num_key_value_heads * arch.head_dim * (ctx + n_rows)
+    attn = 4 * n_rows * (ctx + n_rows) * arch.num_attention_heads * arch.head_dim * n_layers
+    flops = 2 * n_rows * _layer_params(arch) * n_layers + 2 * head_rows * head_vocab * arch.hidden_size + attn
+    return {"bytes": 4 * (p + kv), "flops": flops}
+
+
+def _profile_parts(fn, wall_ms: float, repeats: int = 3) -> dict:
+    """Split ``wall_ms`` into PARTS with a torch profile of ``fn`` (shares of the profiled time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .fastops import ATTENTION, LM_HEAD
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        prof_ms = (time.perf_counter() - t) * 1e3 / repeats
+    ev = {e.key: e for e in prof.key_averages()}
+    tot = lambda k: ev[k].cpu_time_total / 1e3 / repeats if k in ev else 0.0  # noqa: E731
+    gemm = sum(ev[k].self_cpu_time_total for k in GEMM_OPS if k in ev) / 1e3 / repeats
+    head = tot(LM_HEAD)
+    attn = tot(ATTENTION) or tot("aten::scaled_dot_product_attention")
+    parts = {"layer_gemm": max(gemm - head, 0.0), "attention": attn, "lm_head": head}
+    parts["other"] = max(prof_ms - sum(parts.values()), 0.0)
+    total = sum(parts.values())
+    return {k: {"share": v / total, "ms": wall_ms * v / total} for k, v in parts.items()}
+
+
+@torch.inference_mode()
+def breakdown(bundle, ctx_len: int = 300, block_sizes=(2, 4, 8, 16), hypotheses=(1, 2, 4, 8), threads=(1, 2),
+              repeats: int = 5, B_draft: int = 8) -> dict:
+    """The cost breakdown (see the comment above) as a JSON-ready dict."""
+    target = bundle.target
+    arch, L = target.arch, target.num_layers
+    V = arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+    lo = min(100, V // 4)  # skip special tokens (toy vocabularies are small)
+    ctx = torch.randint(lo, V - 1, (ctx_len,), generator=g)
+    cache = target.new_cache()
+    target.prefill(cache, ctx)
+    d3d, dfl = bundle.drafter("d3d"), bundle.drafter("dflash")
+    dcache = d3d.new_cache()
+    d3d_prefill(d3d, dcache, ctx.tolist())
+    fcache = dfl.new_cache()
+    feats = torch.randn(1, ctx_len, len(dfl.cfg.target_layer_ids) * arch.hidden_size, generator=g).to(dfl.device, dfl.dtype)
+    dfl.extend_context(fcache, feats)
+    cfg = DecodeConfig(block_size=B_draft)
+    draft = d3d_draft(d3d, dcache, [], 5, cfg, g)
+    head_k = lambda d: len(d.cfg.vocab_shortlist) or V  # noqa: E731
+
+    def verify(B):
+        blk = torch.randint(lo, V - 1, (B,), generator=g)
+
+        def f():
+            target.verify(cache, blk)
+            target.rollback(cache, B)
+        return f
+
+    forwards = [("step", 1, verify(1), work_of(arch, 1, L, 1, V, ctx_len))]
+    forwards += [(f"verify({B})", B, verify(B), work_of(arch, B, L, B, V, ctx_len)) for B in block_sizes]
+    nd = len(d3d.active_layers())
+    forwards.append((f"d3d draft({B_draft})", B_draft, lambda: d3d_draft(d3d, dcache, [], 5, cfg, g),
+                     work_of(arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len)))
+    for H in hypotheses:
+        cH = cfg.with_(hypotheses=H)
+        forwards.append((f"d3d packed(H={H})", B_draft, lambda cH=cH: d3d_packed(d3d, dcache, 5, draft, cH, g),
+                         work_of(arch, B_draft + H * (B_draft + 1), nd, H * B_draft, head_k(d3d), ctx_len)))
+    forwards.append((f"dflash draft({B_draft})", B_draft, lambda: dflash_draft(dfl, fcache, None, 5, cfg, g),
+                     work_of(arch, B_draft, len(dfl.active_layers()), B_draft - 1, head_k(dfl), ctx_len)))
+    out = {"ctx_len": ctx_len, "repeats": repeats, "engine": target.engine, "machine": {}, "rows": []}
+    for th in threads:
+        lim = machine_limits(th)
+        out["machine"][str(th)] = lim
+        with cpu_threads(th):
+            step_ms = None
+            for name, B, fn, work in forwards:
+                wall = _median_ms(fn, repeats)
+                step_ms = wall if name == "step" else step_ms
+                bw_ms = work["bytes"] / lim["read_gb_s"] / 1e6
+                fl_ms = work["flops"] / lim["gemm_gflop_s"] / 1e6
+                out["rows"].append({
+                    "forward": name, "threads": th, "B": B, "wall_ms": wall, "per_step": wall / step_ms,
+                    "parts": _profile_parts(fn, wall), "bytes": work["bytes"], "flops": work["flops"],
+                    "bound_ms": max(bw_ms, fl_ms), "bound": "bandwidth" if bw_ms >= fl_ms else "compute",
+                })
+    return out
+
+
+def breakdown_text(c: dict) -> str:
+    lines = [f"cost breakdown ({c['engine']} engine, context {c['ctx_len']} tokens, median of {c['repeats']})"]
+    for th, m in c["machine"].items():
+        lines.append(f"  {th} thread(s): read {m['read_gb_s']:.1f} GB/s, fp32 GEMM {m['gemm_gflop_s']:.0f} GFLOP/s")
+    lines.append(f"{'forward':<18}{'thr':>4}{'wall ms':>9}{'/step':>7}   " + "".join(f"{p:>11}" for p in PARTS)
+                 + f"{'MB read':>9}{'GFLOP':>7}{'bound ms':>10}  bound")
+    for r in c["rows"]:
+        lines.append(f"{r['forward']:<18}{r['threads']:>4}{r['wall_ms']:>9.1f}{r['per_step']:>7.2f}   "
+                     + "".join(f"{r['parts'][p]['share']:>10.0%} " for p in PARTS)
+                     + f"{r['bytes'] / 1e6:>9.0f}{r['flops'] / 1e9:>7.2f}{r['bound_ms']:>10.1f}  {r['bound']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from . import fastops
+    from .machine import QuietWatch, machine_info
+    from .bundles import get_bundle
+
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.costs", description="What each forward costs on this machine, and where the time goes.")
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--ctx", type=int, default=300, help="context length the forwards run at")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="comma list of intra-op thread counts")
+    ap.add_argument("--engine", choices=["fast", "eager"], default="fast", help="eager: the Hugging Face forward, F.linear drafters")
+    ap.add_argument("--out", default="results/costs.json")
+    args = ap.parse_args(argv)
+    fastops.set_enabled(args.engine == "fast")
+    bundle = get_bundle(args.bundle)
+    watch = QuietWatch()
+    res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")))
+    res["machine_info"], res["quiet"] = machine_info(), watch.stop().to_json()
+    print(res["machine_info"]["cpu"])
+    print(breakdown_text(res))
+    if res["quiet"]["noisy"]:
+        print(f"WARNING: {res['quiet']['warning']}", file=sys.stderr)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

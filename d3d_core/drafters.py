@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from . import fastops
 
@@ -189,7 +190,8 @@ class Attention(nn.Module):
         else:
             k, v = k_new, v_new
         # float additive mask: bool masks are silently wrong with some kernels (DESIGN §6)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
+        with record_function(fastops.ATTENTION):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
         y = y.transpose(1, 2).reshape(1, n, self.nh * self.hd)
         return fastops.linear(self.o_proj, y), (k_new, v_new)
 
@@ -329,13 +331,14 @@ class _DrafterBase(nn.Module):
         other token gets -inf: argmax and softmax then range over the shortlist only. That stays
         lossless: the target still verifies every draft, rejection sampling only needs q > 0 where
         it drafted, and a token outside the list just cannot be drafted (the bonus can still be it)."""
-        x = self.norm(h)
-        if not self.cfg.vocab_shortlist or self.training:
-            return fastops.linear(self.shared.lm_head, x)
-        ids, w = self._shortlist_rows(x)
-        out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
-        out[..., ids] = fastops.rows_linear(self, f"shortlist-{hash(self.cfg.vocab_shortlist)}", w, x)  # (..., K) scattered into (..., V)
-        return out
+        with record_function(fastops.LM_HEAD):
+            x = self.norm(h)
+            if not self.cfg.vocab_shortlist or self.training:
+                return fastops.linear(self.shared.lm_head, x)
+            ids, w = self._shortlist_rows(x)
+            out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
+            out[..., ids] = fastops.rows_linear(self, f"shortlist-{hash(self.cfg.vocab_shortlist)}", w, x)  # (..., K) scattered into (..., V)
+            return out
 
     def _shortlist_rows(self, like: torch.Tensor):
         """(ids, LM-head rows) of the shortlist on like's device / dtype, built once."""

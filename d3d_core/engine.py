@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional, Union
 
 import torch
 
 from .config import DecodeConfig
 from .drafters import D3DDrafter, DFlashDrafter, KVCache
-from .sampling import accept_greedy, accept_match, accept_rejection, choose, probs
+from .sampling import accept, choose, probs
 from .timing import Lanes, Recorder, cpu_threads
-from .trace import Hypothesis, Round, Stats, Trace, overlap_share
+from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
 
 
 @dataclass
@@ -174,186 +174,260 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     ``cancel``: a callable or threading.Event; checked before every round."""
     cfg = cfg.validated()
     text, prompt_ids = prepare_prompt(bundle, prompt, cfg)
-    mode = cfg.mode
-    if drafter is None and mode != "ar":
-        drafter = bundle.drafter("dflash" if mode == "dflash" else "d3d")
-    if drafter is not None and mode != "ar":
-        want = DFlashDrafter if mode == "dflash" else D3DDrafter
-        if not isinstance(drafter, want):
-            raise ValueError(f"mode {mode} needs a {want.__name__}, got {type(drafter).__name__}")
+    strategy_cls = STRATEGIES[cfg.mode]
+    if drafter is None and strategy_cls.drafter_kind:
+        drafter = bundle.drafter(strategy_cls.drafter_kind)
+    if strategy_cls.drafter_kind and not isinstance(drafter, DRAFTER_CLASSES[strategy_cls.drafter_kind]):
+        want = DRAFTER_CLASSES[strategy_cls.drafter_kind].__name__
+        raise ValueError(f"mode {cfg.mode} needs a {want}, got {type(drafter).__name__}")
     is_cancelled = (cancel.is_set if hasattr(cancel, "is_set") else cancel) or (lambda: False)
 
-    target = bundle.target
-    device = target.device
-    concurrent = mode == "d3d-async"
-    threads = cfg.threads or (1 if (concurrent and device.type == "cpu") else torch.get_num_threads())
+    device = bundle.target.device
+    threads = cfg.threads or (1 if (strategy_cls.concurrent and device.type == "cpu") else torch.get_num_threads())
     trace = Trace(
-        mode=mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
+        mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
         device=str(device),
     )
-    lanes = Lanes(device, concurrent)
+    lanes = Lanes(device, strategy_cls.concurrent)
     try:
         with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
-            yield from _run(bundle, trace, cfg, drafter, lanes, is_cancelled)
+            run = Run(bundle.target, cfg, lanes, Recorder(device))
+            yield from _loop(run, strategy_cls(run, drafter), trace, bundle.tokenizer, is_cancelled)
     finally:
         lanes.close()
 
 
-def _run(bundle, trace: Trace, cfg: DecodeConfig, drafter, lanes: Lanes, is_cancelled) -> Iterator[Trace]:
-    mode, B = cfg.mode, cfg.effective_block
-    target, tok = bundle.target, bundle.tokenizer
+# ----------------------------------------------------------------------------- the shared loop
+
+
+@dataclass
+class Run:
+    """What every strategy of one decode shares: the target, settings, lanes, clock, the
+    two seeded generators and the forward counters."""
+
+    target: object
+    cfg: DecodeConfig
+    lanes: Lanes
+    rec: Recorder
+    gen_t: torch.Generator = field(default_factory=lambda: torch.Generator())  # target side (main thread)
+    gen_d: torch.Generator = field(default_factory=lambda: torch.Generator())  # drafter side (drafter lane)
+    n_target_fwd: int = 0
+    n_draft_fwd: int = 0
+
+    def __post_init__(self):
+        self.gen_t.manual_seed(self.cfg.seed)
+        self.gen_d.manual_seed(self.cfg.seed + 1)
+
+
+def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
+    """prefill -> (draft -> verify -> commit -> trace)*; ``mode`` decides how blocks are drafted."""
+    cfg, target, rec = run.cfg, run.target, run.rec
     eos = tok.eos_ids if cfg.stop_at_eos else frozenset()
-    gen_t = torch.Generator().manual_seed(cfg.seed)  # target-side sampling (main thread)
-    gen_d = torch.Generator().manual_seed(cfg.seed + 1)  # drafter-side sampling (drafter lane)
-    rec = Recorder(target.device)
     wall0 = time.perf_counter()
-    feat_layers = tuple(drafter.cfg.target_layer_ids) if mode == "dflash" else ()
-    prompt = torch.tensor(trace.prompt_ids, dtype=torch.long)
     t_cache = target.new_cache()
-    d_cache = drafter.new_cache() if drafter is not None else None
-    n_target_fwd = n_draft_fwd = 0
-
-    # ---- prefill (the standalone D3D drafter can prefill its context while the target does)
-    d_prefill = None
-    if mode == "d3d-async":
-        def _dpre():
-            with rec.span("drafter", "prefill", -1):
-                d3d_prefill(drafter, d_cache, trace.prompt_ids)
-
-        d_prefill = lanes.submit(_dpre)
-    with lanes.target_ctx(), rec.span("target", "prefill", -1):
-        out = target.prefill(t_cache, prompt, feat_layers)
-        first = int(choose(out.logits[-1:], cfg.temperature, gen_t)[0])
-    n_target_fwd += 1
-    if d_prefill is not None:
-        d_prefill.result()
-        n_draft_fwd += 1
-    elif mode == "d3d-seq":
-        with rec.span("drafter", "prefill", -1):
-            d3d_prefill(drafter, d_cache, trace.prompt_ids)
-        n_draft_fwd += 1
-    elif mode == "dflash":
-        with rec.span("drafter", "prefill", -1), torch.inference_mode():
-            drafter.extend_context(d_cache, out.feats)
-    if lanes.cuda:
-        torch.cuda.synchronize()
+    mode.start_prefill(trace.prompt_ids)
+    with run.lanes.target_ctx(), rec.span("target", "prefill", -1):
+        out = target.prefill(t_cache, torch.tensor(trace.prompt_ids, dtype=torch.long), mode.feature_layers)
+        first = int(choose(out.logits[-1:], cfg.temperature, run.gen_t)[0])
+    run.n_target_fwd += 1
+    mode.finish_prefill(trace.prompt_ids, out)
+    _sync(run)
     t_decode0 = time.perf_counter()
-    prefill_s = t_decode0 - wall0
-
-    output = [first]
-    trace.first_token = first
-    trace.output_ids = output
-    finish = ""
-    if first in eos:
-        finish = "eos"
-    elif len(output) >= cfg.max_new_tokens:
-        finish = "length"
+    trace.first_token, trace.output_ids = first, [first]
+    finish = "eos" if first in eos else ("length" if cfg.max_new_tokens <= 1 else "")
     yield trace
 
-    anchor, s = first, len(trace.prompt_ids)  # anchor token and its position
-    pending_ctx: list = []  # d3d-seq: committed tokens the drafter has not seen yet
-    pending_feats = None  # dflash: target features of committed tokens not yet in the drafter cache
-    ready: Optional[Draft] = None  # d3d-async: the hit hypothesis's drafted block
-    rnd = 0
+    anchor, s, rnd = first, len(trace.prompt_ids), 0  # anchor token and its position
     while not finish:
         if is_cancelled():
             finish = "cancelled"
             break
-        # ---- draft this round's block (unless a hit already drafted it)
-        draft, source = None, ""
-        if mode != "ar":
-            if ready is not None:
-                draft, source = ready, "packed_draft"
-                ready = None
-            else:
-                kind = "sync_draft" if (mode == "d3d-async" and rnd > 0) else "draft"
-                with lanes.drafter_ctx(), rec.span("drafter", kind, rnd):
-                    if mode == "dflash":
-                        draft = dflash_draft(drafter, d_cache, pending_feats, anchor, cfg, gen_d)
-                        pending_feats = None
-                    else:
-                        draft = d3d_draft(drafter, d_cache, pending_ctx, anchor, cfg, gen_d)
-                        pending_ctx = []
-                n_draft_fwd += 1
-                source = kind
+        draft, source = mode.draft(rnd, anchor)
         drafts = draft.ids if draft is not None else []
-
-        # ---- d3d-async: draft the successors while the target verifies
-        packed = None
-        if mode == "d3d-async":
-            def _pk(anchor=anchor, draft=draft, rnd=rnd):
-                with rec.span("drafter", "packed_draft", rnd):
-                    return d3d_packed(drafter, d_cache, anchor, draft, cfg, gen_d)
-
-            packed = lanes.submit(_pk)
-
-        # ---- verify
-        block = torch.tensor([anchor] + drafts, dtype=torch.long)
-        with lanes.target_ctx(), rec.span("target", "verify", rnd):
-            vout = target.verify(t_cache, block, feat_layers)
-            if cfg.temperature <= 0:
-                v = accept_greedy(drafts, vout.logits)
-            elif cfg.sampling == "rejection" and drafts:
-                v = accept_rejection(drafts, draft.q, vout.logits, cfg.temperature, gen_t)
-            else:
-                v = accept_match(drafts, vout.logits, cfg.temperature, gen_t)
+        mode.during_verify(rnd, anchor, draft)
+        with run.lanes.target_ctx(), rec.span("target", "verify", rnd):
+            vout = target.verify(t_cache, torch.tensor([anchor] + drafts, dtype=torch.long), mode.feature_layers)
+            v = accept(drafts, draft.q if draft is not None else None, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
             target.rollback(t_cache, len(drafts) - v.accepted)
-        n_target_fwd += 1
-        a, bonus = v.accepted, v.bonus
-
-        # ---- commit a + 1 tokens (stop at max_new_tokens / EOS)
-        committed = []
-        for tkn in drafts[:a] + [bonus]:
-            output.append(tkn)
-            committed.append(tkn)
-            if tkn in eos:
-                finish = "eos"
-                break
-            if len(output) >= cfg.max_new_tokens:
-                finish = "length"
-                break
-
-        # ---- bring the drafter's context up to date
+        run.n_target_fwd += 1
+        committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)
         rd = Round(
             index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(drafts),
             draft_probs=draft.probs if draft is not None else [], target_ids=v.target_ids[: len(drafts) + 1],
-            accepted=a, bonus=bonus, committed=committed, draft_source=source,
+            accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source,
         )
-        if mode == "dflash":
-            pending_feats = vout.feats[:, : a + 1]  # anchor + accepted drafts, as the target saw them
-        elif mode == "d3d-seq":
-            pending_ctx = [anchor] + drafts[:a]
-        elif mode == "d3d-async":
-            pr = packed.result()
-            n_draft_fwd += 1
-            with lanes.drafter_ctx():  # every drafter-cache op stays on the drafter's stream (CUDA ordering)
-                drafter.commit_kv(d_cache, pr.new_kv, a + 1)  # x_s, d_1..d_a are committed now
-            rd.hit = False
-            for (ha, ht, hs), hd in zip(pr.hyps, pr.drafts):
-                hit = ha == a and ht == bonus
-                rd.hypotheses.append(Hypothesis(ha, ht, hs, list(hd.ids), hit))
-                if hit:
-                    rd.hit = True
-                    ready = hd
+        mode.after_verify(rd, anchor, drafts, vout)
         trace.rounds.append(rd)
-        s += a + 1
-        anchor = bonus
-        rnd += 1
-        if not finish and s + B + 2 > target.max_positions:
+        s, anchor, rnd = s + v.accepted + 1, v.bonus, rnd + 1
+        if not finish and s + cfg.effective_block + 2 > target.max_positions:
             finish = "context"
-        if finish:
-            break
-        yield trace
+        if not finish:
+            yield trace
 
-    # ---- close the run
-    if lanes.cuda:
-        torch.cuda.synchronize()
+    _sync(run)
     t_end = time.perf_counter()
     trace.spans = rec.finalize()
     trace.finish_reason = finish
-    trace.output_text = tok.decode(output)
-    trace.stats = _stats(trace, n_target_fwd, n_draft_fwd, prefill_s, t_end - t_decode0, t_end - wall0)
+    trace.output_text = tok.decode(trace.output_ids)
+    trace.stats = _stats(trace, run.n_target_fwd, run.n_draft_fwd, t_decode0 - wall0, t_end - t_decode0, t_end - wall0)
     yield trace
+
+
+def _commit(output: list, tokens: list, eos, max_new_tokens: int) -> tuple:
+    """Append the round's tokens, stopping at EOS or the length limit. Returns (committed, finish)."""
+    committed = []
+    for tkn in tokens:
+        output.append(tkn)
+        committed.append(tkn)
+        if tkn in eos:
+            return committed, "eos"
+        if len(output) >= max_new_tokens:
+            return committed, "length"
+    return committed, ""
+
+
+def _sync(run: Run) -> None:
+    if run.lanes.cuda:
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- one strategy per mode
+
+
+class Mode:
+    """How a mode drafts. The base class is ``ar``: no drafter, B = 1, nothing to do."""
+
+    drafter_kind: Optional[str] = None  # which of the bundle's drafters the mode uses
+    concurrent = False  # does the drafter run on its own lane while the target verifies?
+
+    def __init__(self, run: Run, drafter=None):
+        self.run, self.drafter = run, drafter
+        self.cache = drafter.new_cache() if drafter is not None else None
+        self.feature_layers: tuple = ()  # target layers whose hidden states verify must return
+
+    def start_prefill(self, prompt_ids: list) -> None:
+        """Before the target's prefill (work that may overlap it)."""
+
+    def finish_prefill(self, prompt_ids: list, out) -> None:
+        """After the target's prefill; ``out`` holds its logits (and features when asked)."""
+
+    def draft(self, rnd: int, anchor: int) -> tuple:
+        """This round's block: (Draft or None, draft_source)."""
+        return None, ""
+
+    def during_verify(self, rnd: int, anchor: int, draft) -> None:
+        """Start work that runs while the target verifies this round's block."""
+
+    def after_verify(self, rd: Round, anchor: int, drafts: list, vout) -> None:
+        """Bring the drafter up to date with the verdict (``rd`` may be annotated)."""
+
+    def _timed_draft(self, kind: str, rnd: int, fn):
+        with self.run.lanes.drafter_ctx(), self.run.rec.span("drafter", kind, rnd):
+            out = fn()
+        self.run.n_draft_fwd += 1
+        return out
+
+
+class DFlashMode(Mode):
+    """Target-conditioned: each block is drafted from the target's hidden states of the tokens
+    the last verify accepted, so it can only start after that verify returns."""
+
+    drafter_kind = "dflash"
+
+    def __init__(self, run: Run, drafter):
+        super().__init__(run, drafter)
+        self.feature_layers = tuple(drafter.cfg.target_layer_ids)
+        self.pending_feats = None  # features of committed tokens not yet in the drafter's cache
+
+    def finish_prefill(self, prompt_ids, out):
+        with self.run.rec.span("drafter", "prefill", -1), torch.inference_mode():
+            self.drafter.extend_context(self.cache, out.feats)
+
+    def draft(self, rnd, anchor):
+        feats, self.pending_feats = self.pending_feats, None
+        return self._timed_draft("draft", rnd, lambda: dflash_draft(self.drafter, self.cache, feats, anchor, self.run.cfg, self.run.gen_d)), "draft"
+
+    def after_verify(self, rd, anchor, drafts, vout):
+        self.pending_feats = vout.feats[:, : rd.accepted + 1]  # anchor + accepted drafts, as the target saw them
+
+
+class D3DSeqMode(Mode):
+    """Standalone drafter, drafted after each verify (no overlap: isolates what asynchrony buys)."""
+
+    drafter_kind = "d3d"
+
+    def __init__(self, run: Run, drafter):
+        super().__init__(run, drafter)
+        self.pending_ctx: list = []  # committed tokens the drafter has not seen yet
+
+    def finish_prefill(self, prompt_ids, out):
+        with self.run.rec.span("drafter", "prefill", -1):
+            d3d_prefill(self.drafter, self.cache, prompt_ids)
+        self.run.n_draft_fwd += 1
+
+    def draft(self, rnd, anchor):
+        ctx, self.pending_ctx = self.pending_ctx, []
+        return self._timed_draft("draft", rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), "draft"
+
+    def after_verify(self, rd, anchor, drafts, vout):
+        self.pending_ctx = [anchor] + drafts[: rd.accepted]
+
+
+class D3DAsyncMode(Mode):
+    """Standalone drafter on its own lane: while the target verifies block k, one packed forward
+    drafts the successor block for the H likeliest outcomes (a, t). A hit is verified next at
+    once; a miss costs a synchronous draft from the bonus token."""
+
+    drafter_kind = "d3d"
+    concurrent = True
+
+    def __init__(self, run: Run, drafter):
+        super().__init__(run, drafter)
+        self.ready: Optional[Draft] = None  # the hit hypothesis's drafted block
+        self.packed = None  # future of this round's packed pass
+        self._prefill = None
+
+    def start_prefill(self, prompt_ids):
+        def work():  # needs nothing from the target, so it runs while the target prefills
+            with self.run.rec.span("drafter", "prefill", -1):
+                d3d_prefill(self.drafter, self.cache, prompt_ids)
+
+        self._prefill = self.run.lanes.submit(work)
+
+    def finish_prefill(self, prompt_ids, out):
+        self._prefill.result()
+        self.run.n_draft_fwd += 1
+
+    def draft(self, rnd, anchor):
+        if self.ready is not None:
+            d, self.ready = self.ready, None
+            return d, "packed_draft"
+        kind = "sync_draft" if rnd > 0 else "draft"  # the drafter's context is already committed
+        return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, [], anchor, self.run.cfg, self.run.gen_d)), kind
+
+    def during_verify(self, rnd, anchor, draft):
+        def work():
+            with self.run.rec.span("drafter", "packed_draft", rnd):
+                return d3d_packed(self.drafter, self.cache, anchor, draft, self.run.cfg, self.run.gen_d)
+
+        self.packed = self.run.lanes.submit(work)
+
+    def after_verify(self, rd, anchor, drafts, vout):
+        pr = self.packed.result()
+        self.run.n_draft_fwd += 1
+        with self.run.lanes.drafter_ctx():  # every drafter-cache op stays on the drafter's stream (CUDA ordering)
+            self.drafter.commit_kv(self.cache, pr.new_kv, rd.accepted + 1)  # x_s, d_1..d_a are committed now
+        rd.hit = False
+        for (ha, ht, hs), hd in zip(pr.hyps, pr.drafts):
+            hit = ha == rd.accepted and ht == rd.bonus
+            rd.hypotheses.append(Hypothesis(ha, ht, hs, list(hd.ids), hit))
+            if hit:
+                rd.hit, self.ready = True, hd
+
+
+STRATEGIES = {"ar": Mode, "dflash": DFlashMode, "d3d-seq": D3DSeqMode, "d3d-async": D3DAsyncMode}
+DRAFTER_CLASSES = {"dflash": DFlashDrafter, "d3d": D3DDrafter}
+assert set(STRATEGIES) == set(MODES)
 
 
 def _stats(trace: Trace, n_t: int, n_d: int, prefill_s: float, decode_s: float, wall_s: float) -> Stats:

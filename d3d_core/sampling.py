@@ -1,6 +1,6 @@
 """Token choice and the verify rules (which drafts the target accepts).
 
-All three rules are lossless: at temperature 0 the committed tokens are the target's
+Both rules are lossless: at temperature 0 the committed tokens are the target's
 greedy tokens; at temperature > 0 they are distributed exactly as the target's samples.
 """
 
@@ -32,15 +32,6 @@ def choose(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> to
     return torch.multinomial(p.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 
-def accept_greedy(drafts: list, target_logits: torch.Tensor) -> Verdict:
-    """drafts d_1..d_{B-1}; target_logits (B, V): row k predicts position s+k+1."""
-    y = target_logits.argmax(-1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == y[a]:
-        a += 1
-    return Verdict(a, y[a], y)
-
-
 def accept_match(drafts: list, target_logits: torch.Tensor, temperature: float, gen: torch.Generator) -> Verdict:
     """Match rule: sample the target's token at every block position, accept drafts while
     they equal those samples. Each committed token is a target sample given its prefix."""
@@ -49,6 +40,14 @@ def accept_match(drafts: list, target_logits: torch.Tensor, temperature: float, 
     while a < len(drafts) and drafts[a] == y[a]:
         a += 1
     return Verdict(a, y[a], y)
+
+
+def accept(drafts: list, q, target_logits: torch.Tensor, temperature: float, rule: str, gen: torch.Generator) -> Verdict:
+    """The verify rule of a run: greedy at temperature 0 (``accept_match`` with argmax), else the
+    chosen rule ("match" or "rejection"; a block without drafts has nothing to reject)."""
+    if temperature > 0 and rule == "rejection" and drafts:
+        return accept_rejection(drafts, q, target_logits, temperature, gen)
+    return accept_match(drafts, target_logits, temperature, gen)
 
 
 def accept_rejection(drafts: list, q: torch.Tensor, target_logits: torch.Tensor, temperature: float, gen: torch.Generator) -> Verdict:

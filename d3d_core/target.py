@@ -21,8 +21,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from . import fastops
+from .fastops import ATTENTION, LM_HEAD
 from .drafters import ArchConfig, SharedParts
 
 ENGINES = ("fast", "eager")
@@ -188,8 +190,9 @@ class Target:
             if i in feature_layers:
                 feats[i] = x
         cache.length = T + n
-        h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
-        logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h)  # (n_logits, V)
+        with record_function(LM_HEAD):
+            h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
+            logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h)  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
 
@@ -210,7 +213,8 @@ class Target:
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
         q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
         m = None if mask is None else mask.repeat(g, 1)
-        y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
+        with record_function(ATTENTION):
+            y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
         y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
         return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y)
 

@@ -1,0 +1,98 @@
+"""Which machine a measurement came from, and whether it was quiet while it ran.
+
+Timings on these machines differ by CPU model (an AVX2 EPYC and an AVX-512 Xeon have given
+2× different figures for the same command) and by load (a background job sharing two cores
+halves everything). Every bench / cost result therefore carries ``machine_info()`` and a
+``Quietness`` record: the load average when it started and the CPU time *other* processes
+took while it ran. A run is called noisy when others used more than ``NOISY_CORES`` of a core
+on average, or the 1-minute load average was above ``NOISY_LOAD`` at the start.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+NOISY_CORES = 0.10  # other processes' mean CPU use (cores) above which a timing is flagged
+NOISY_LOAD = 0.5  # 1-minute load average at the start above which a timing is flagged
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "cpu": cpu_model(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds all processes have spent busy since boot (Linux /proc/stat), or NaN."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _own_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+
+
+@dataclass(frozen=True)
+class Quietness:
+    load_at_start: float  # 1-minute load average before the run
+    other_cpu_s: float  # CPU seconds other processes used during the run
+    wall_s: float
+    other_cores: float  # other_cpu_s / wall_s: mean number of cores others kept busy
+    noisy: bool
+    warning: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class QuietWatch:
+    """Measure how quiet the machine stayed: ``w = QuietWatch(); ...; q = w.stop()``."""
+
+    def __init__(self):
+        self.load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+
+    def stop(self) -> Quietness:
+        wall = time.perf_counter() - self.t0
+        other = max(0.0, (_busy_cpu_s() - self.busy0) - (_own_cpu_s() - self.own0))
+        cores = other / wall if wall > 0 else 0.0
+        why = []
+        if cores == cores and cores > NOISY_CORES:  # NaN-safe
+            why.append(f"other processes kept {cores:.2f} cores busy on average")
+        if self.load == self.load and self.load > NOISY_LOAD:
+            why.append(f"the load average was {self.load:.2f} when it started")
+        msg = ("machine was not quiet: " + " and ".join(why) + "; timings and speedups may be off") if why else ""
+        return Quietness(round(self.load, 2), round(other, 2), round(wall, 2), round(cores, 3), bool(why), msg)

@@ -1,0 +1,181 @@
+"""The fast CPU engine: same tokens as the eager Hugging Face path, clean fallback, and the
+cost breakdown / quietness records the bench and the costs command write."""
+
+import contextlib
+
+import pytest
+import torch
+
+from d3d_core import fastops
+from d3d_core.config import DecodeConfig
+from d3d_core.engine import decode
+from d3d_core.machine import QuietWatch
+from d3d_core.target import StaticKV
+from d3d_core.trace import MODES
+
+
+@contextlib.contextmanager
+def engine(target, name):
+    old = target.engine_request
+    target.engine_request = name
+    try:
+        yield
+    finally:
+        target.engine_request = old
+
+
+@pytest.mark.parametrize("bundle_name", ["toy", "toy_qwen3"])
+def test_fast_forward_matches_eager_through_prefill_verify_rollback(request, bundle_name):
+    t = request.getfixturevalue(bundle_name).target
+    assert t.engine == "fast", t.fast_reason()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, t.arch.vocab_size, (37,), generator=g)
+    blocks = [torch.randint(3, t.arch.vocab_size, (B,), generator=g) for B in (1, 8, 3, 16, 1)]
+    outs = {}
+    for name in ("fast", "eager"):
+        with engine(t, name):
+            c = t.new_cache()
+            assert isinstance(c, StaticKV) == (name == "fast")
+            seq = [t.prefill(c, prompt, (0, 2))]
+            for i, blk in enumerate(blocks):
+                seq.append(t.verify(c, blk, (1,)))
+                t.rollback(c, i % blk.shape[0])  # keep a varying prefix of each block
+            outs[name] = (seq, t.cache_len(c))
+    assert outs["fast"][1] == outs["eager"][1]
+    for a, b in zip(outs["fast"][0], outs["eager"][0]):
+        assert torch.allclose(a.logits, b.logits, atol=2e-4, rtol=1e-4)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+        assert torch.allclose(a.feats, b.feats, atol=2e-4, rtol=1e-4)
+
+
+def test_static_cache_grows_past_its_first_capacity(toy):
+    t = toy.target
+    ids = torch.arange(3, 3 + 700) % t.arch.vocab_size
+    with engine(t, "fast"):
+        c = t.new_cache()
+        first_cap = c.capacity
+        fast = t.prefill(c, ids[:600]).logits
+        fast2 = t.verify(c, ids[600:610]).logits
+        assert c.capacity > first_cap >= 1 and t.cache_len(c) == 610
+    with engine(t, "eager"):
+        c = t.new_cache()
+        eager = t.prefill(c, ids[:600]).logits
+        eager2 = t.verify(c, ids[600:610]).logits
+    assert torch.allclose(fast, eager, atol=2e-4) and torch.allclose(fast2, eager2, atol=2e-4)
+
+
+def test_static_cache_crop_follows_hf_semantics():
+    c = StaticKV(2, 1, 4, torch.float32, "cpu", capacity=8)
+    c.length = 6
+    c.crop(-2)
+    assert c.get_seq_length() == 4
+    c.crop(3)
+    assert c.get_seq_length() == 3
+    c.crop(10)
+    assert c.get_seq_length() == 3
+
+
+@pytest.mark.parametrize("bundle_name", ["toy", "toy_qwen3"])
+def test_every_mode_same_tokens_on_fast_and_eager(request, bundle_name):
+    bundle = request.getfixturevalue(bundle_name)
+    ref = {}
+    for name in ("eager", "fast"):
+        with engine(bundle.target, name):
+            for mode in MODES:
+                tr = decode(bundle, "count: 1, 2, 3", DecodeConfig(mode=mode, max_new_tokens=30, block_size=4))
+                ref.setdefault(mode, tr.output_ids)
+                assert tr.output_ids == ref["ar"] == ref[mode], (name, mode)
+
+
+def test_fallback_is_taken_and_said(toy, monkeypatch):
+    monkeypatch.setitem(fastops._state, "ok", False)
+    monkeypatch.setitem(fastops._state, "why", "oneDNN prepacked linear unavailable (test)")
+    t = toy.target
+    assert t.engine == "eager" and "unavailable (test)" in t.fast_reason()
+    assert not isinstance(t.new_cache(), StaticKV)
+    tr = decode(toy, "count: 1, 2, 3", DecodeConfig(mode="d3d-seq", max_new_tokens=20))
+    monkeypatch.undo()
+    assert t.engine == "fast"
+    assert tr.output_ids == decode(toy, "count: 1, 2, 3", DecodeConfig(mode="ar", max_new_tokens=20)).output_ids
+
+
+def test_switching_off_makes_every_linear_eager(toy, monkeypatch):
+    monkeypatch.setitem(fastops._state, "enabled", False)
+    assert fastops.status()["engine"] == "eager" and toy.target.engine == "eager"
+
+
+def test_fused_linear_equals_separate_and_repacks_after_update():
+    torch.manual_seed(0)
+    owner = torch.nn.Module()
+    mods = [torch.nn.Linear(16, n) for n in (8, 4, 4)]
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        outs = fastops.fused_linear(owner, "qkv", mods, x)
+        for m, o in zip(mods, outs):
+            assert torch.allclose(o, m(x), atol=1e-5)
+    with torch.no_grad():
+        mods[1].weight.mul_(2.0)  # an in-place update (an optimiser step) must be seen
+    with torch.inference_mode():
+        assert torch.allclose(fastops.fused_linear(owner, "qkv", mods, x)[1], mods[1](x), atol=1e-5)
+    # with gradients the plain modules run, so training is untouched
+    y = fastops.linear(mods[0], x.requires_grad_())
+    assert y.requires_grad
+
+
+def test_cost_breakdown_parts_add_up_to_wall(toy):
+    from d3d_core.costs import PARTS, breakdown
+
+    res = breakdown(toy, ctx_len=32, block_sizes=(2, 4), hypotheses=(1, 2), threads=(1,), repeats=2, B_draft=4)
+    names = [r["forward"] for r in res["rows"]]
+    assert names[:3] == ["step", "verify(2)", "verify(4)"] and "d3d packed(H=2)" in names and "dflash draft(4)" in names
+    for r in res["rows"]:
+        parts = r["parts"]
+        assert set(parts) == set(PARTS)
+        assert abs(sum(p["share"] for p in parts.values()) - 1.0) < 1e-6
+        assert abs(sum(p["ms"] for p in parts.values()) - r["wall_ms"]) <= 0.01 * r["wall_ms"]
+        assert r["bytes"] > 0 and r["flops"] > 0 and r["bound"] in ("bandwidth", "compute")
+    step = res["rows"][0]
+    assert step["per_step"] == 1.0
+    # a verify over 4 rows does 4x the layer FLOPs of a step and reads the same weights
+    v4 = res["rows"][2]
+    assert v4["bytes"] >= step["bytes"] and v4["flops"] > 3.5 * step["flops"]
+
+
+def test_quiet_watch_flags_a_busy_machine(monkeypatch):
+    import d3d_core.machine as m
+
+    w = QuietWatch()
+    q = w.stop()
+    assert q.wall_s >= 0 and q.other_cpu_s >= 0
+    busy = iter([100.0, 160.0])  # others used 60 CPU-seconds
+    monkeypatch.setattr(m, "_busy_cpu_s", lambda: next(busy))
+    monkeypatch.setattr(m, "_own_cpu_s", lambda: 0.0)
+    w = QuietWatch()
+    w.t0 -= 30.0  # 30 s of wall time: others kept 2 cores busy
+    q = w.stop()
+    assert q.noisy and "2.00 cores" in q.warning
+
+
+def test_peers_run_and_compare_with_ar(toy):
+    from d3d_core.datasets import Item
+    from d3d_core.peers import run_peer
+
+    ids = toy.tokenizer.encode_prompt("count: 1, 2, 3")
+    cfg = DecodeConfig(mode="ar", max_new_tokens=20, stop_at_eos=False)
+    ref = decode(toy, ids, cfg).output_ids
+    item = Item("toy", "0", [{"role": "user", "content": "count"}], {})
+    for peer in ("hf-generate", "hf-prompt-lookup"):
+        row = run_peer(toy, peer, ids, cfg, item, ref)
+        assert row["mode"] == peer and row["n_tokens"] == 20 and row["lossless"] is True
+        assert row["decode_time_s"] > 0 and row["tau"] is None
+
+
+@pytest.mark.slow
+def test_real_bundle_fast_and_eager_agree(smollm):
+    prompts = ["What is 17 times 23? Think step by step.", "Write a Python function that reverses a string.",
+               "Give me three tips for a good night's sleep."]
+    for p in prompts:
+        with engine(smollm.target, "eager"):
+            ref = decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48)).output_ids
+        assert smollm.target.engine == "fast"
+        assert decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48)).output_ids == ref, p
