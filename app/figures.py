@@ -441,6 +441,57 @@ def diagram_pruning() -> go.Figure:
 # ----------------------------------------------------------------------------- benchmarks / projections
 
 
+PART_COLOURS = {"layer_gemm": BLUE, "attention": SKY, "lm_head": ORANGE, "other": GREY}
+PART_LABELS = {"layer_gemm": "layer GEMMs", "attention": "attention", "lm_head": "LM head", "other": "everything else"}
+
+
+def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) -> go.Figure:
+    """Stacked bars: where each forward's wall time goes (python -m d3d_core.costs), with the
+    machine's bound (bytes / bandwidth or FLOPs / GEMM rate) as a diamond — the gap between a bar
+    and its diamond is what a faster engine could still win."""
+    title = "Cost of each forward on this machine"
+    if not costs or not costs.get("rows"):
+        return _empty(title, "No cost breakdown shipped for this bundle yet (python -m d3d_core.costs).")
+    th = threads or max(r["threads"] for r in costs["rows"])
+    rows = [r for r in costs["rows"] if r["threads"] == th]
+    names = [r["forward"] for r in rows]
+    fig = go.Figure()
+    for part, label in PART_LABELS.items():
+        fig.add_trace(go.Bar(y=names, x=[r["parts"][part]["ms"] for r in rows], name=label, orientation="h",
+                             marker_color=PART_COLOURS[part],
+                             customdata=[[r["parts"][part]["share"], r["wall_ms"], r["per_step"]] for r in rows],
+                             hovertemplate="%{y}: " + label + " %{x:.1f} ms (%{customdata[0]:.0%} of %{customdata[1]:.1f} ms, "
+                                           "%{customdata[2]:.2f}× a step)<extra></extra>"))
+    fig.add_trace(go.Scatter(y=names, x=[r["bound_ms"] for r in rows], mode="markers", name="machine bound",
+                             marker=dict(symbol="diamond", size=10, color="black"),
+                             customdata=[[r["bound"], r["bytes"] / 1e6, r["flops"] / 1e9] for r in rows],
+                             hovertemplate="%{y}: bound %{x:.1f} ms (%{customdata[0]}: %{customdata[1]:.0f} MB read, "
+                                           "%{customdata[2]:.2f} GFLOP)<extra></extra>"))
+    m = (costs.get("machine") or {}).get(str(th), {})
+    sub = f"{th} thread(s), {costs.get('engine', '?')} engine"
+    if m:
+        sub += f"; this CPU reads {m['read_gb_s']:.0f} GB/s and multiplies at {m['gemm_gflop_s']:.0f} GFLOP/s"
+    fig.update_layout(barmode="stack", title=f"{title}<br><sup>{sub}</sup>", xaxis_title="ms per forward",
+                      yaxis=dict(autorange="reversed"), height=90 + 32 * len(rows),
+                      legend=dict(orientation="h", y=-0.18), **LAYOUT)
+    return fig
+
+
+def overlap_text(costs: Optional[dict]) -> str:
+    """The overlap crossover of the shipped cost breakdown, in one or two sentences."""
+    ov = (costs or {}).get("overlap")
+    if not ov or not ov.get("rows"):
+        return ""
+    parts = [f"depth {r['depth']}: draft = {r['draft_per_verify']:.0%} of a verify, d3d-async round "
+             f"{r['async_over_seq']:.2f}× as fast as d3d-seq's" for r in ov["rows"]]
+    x = ov.get("crossover")
+    head = (f"**On this machine overlap pays once a draft costs more than {x:.0%} of a verify**"
+            if x is not None else ("**Overlap pays at every measured drafter depth**" if all(r["pays"] for r in ov["rows"])
+                                   else "**Overlap does not pay at any measured drafter depth on this machine**"))
+    return (f"{head} (B = {ov['B']}, H = {ov['H']}, every hypothesis a hit; the two lanes share two cores, so each runs "
+            f"on one thread): " + "; ".join(parts) + ".")
+
+
 def bench_table(result: Optional[dict]) -> pd.DataFrame:
     cols = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"]
     if not result or not result.get("summary"):

@@ -224,12 +224,15 @@ def measure_pruned(bundle, active, state):
 
 
 def bench_views(bundle) -> tuple:
-    """The Benchmarks tab's views of a bundle's shipped bench result and sweep, the result read
-    once: (measured table, model check, dataset choices, acceptance figure, sweep figure)."""
+    """The Benchmarks tab's views of a bundle's shipped bench result, sweep and cost breakdown, each
+    read once: (provenance, measured table, model check, dataset choices, acceptance figure, sweep
+    figure, cost provenance, cost figure, overlap sentence)."""
     res = service.bench_result(bundle)
+    costs = service.cost_breakdown(bundle)
     datasets = ["all"] + list(((res or {}).get("acceptance_hist") or {}).keys())
-    return (figures.bench_table(res), figures.latency_check_table(res), datasets, figures.bench_acceptance_figure(res),
-            figures.speedup_vs_block_figure(service.block_sweep(bundle)))
+    return (service.provenance(res), figures.bench_table(res), figures.latency_check_table(res), datasets,
+            figures.bench_acceptance_figure(res), figures.speedup_vs_block_figure(service.block_sweep(bundle)),
+            service.provenance(costs), figures.cost_breakdown_figure(costs), figures.overlap_text(costs))
 
 
 def project_speedups(profile, B, tau, hit, H, vx, dx, px):
@@ -350,9 +353,18 @@ def build_demo() -> gr.Blocks:
                     p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
                 p_load = gr.Button("Reload layers and curve")
             with gr.Tab("Benchmarks", id="benchmarks"):
-                gr.Markdown("**Measured** on this machine by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, lossless rate, hit rate, overlap):")
-                v_table, v_check, v_ds, v_acc, v_sweep = bench_views(service.DEFAULT_BUNDLE)
+                gr.Markdown("**Measured** by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
+                            "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
+                            "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
+                v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(service.DEFAULT_BUNDLE)
+                b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
                 b_table = gr.Dataframe(v_table, label="Measured (bench command)", interactive=False)
+                gr.Markdown("**Where the time goes** (`python -m d3d_core.costs`): each forward's wall time split into the layer GEMMs, "
+                            "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
+                            "Speculation pays when verify(B) costs about one step and a draft a small fraction of one.")
+                b_cprov = gr.Markdown(v_cprov)
+                b_costs = gr.Plot(v_costs, label="Cost breakdown")
+                b_overlap = gr.Markdown(v_overlap, elem_id="overlap-crossover")
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
                             "with the separately probed costs and with the costs the run itself paid (mean span times). "
                             "The error is (predicted − measured) / measured.")
@@ -424,10 +436,10 @@ def build_demo() -> gr.Blocks:
         gr.Button("Project", visible=False).click(project_speedups, pj_inputs, [pj_plot, pj_src], api_name="project")
         demo.load(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False)
         def on_bundle_bench(b):
-            table, check, ds, acc, sweep = bench_views(b)
-            return table, check, gr.update(choices=ds, value="all"), acc, sweep
+            prov, table, check, ds, acc, sweep, cprov, costs, overlap = bench_views(b)
+            return prov, table, check, gr.update(choices=ds, value="all"), acc, sweep, cprov, costs, overlap
 
-        bundle.change(on_bundle_bench, [bundle], [b_table, b_check, b_ds, b_acc, b_sweep], api_name=False)
+        bundle.change(on_bundle_bench, [bundle], [b_prov, b_table, b_check, b_ds, b_acc, b_sweep, b_cprov, b_costs, b_overlap], api_name=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],
                     api_name=False, queue=False)
     demo.queue(max_size=16, default_concurrency_limit=2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import torch
 
@@ -245,6 +246,73 @@ def breakdown(bundle, ctx_len: int = 300, block_sizes=(2, 4, 8, 16), hypotheses=
     return out
 
 
+@torch.inference_mode()
+def overlap_crossover(bundle, depths=(8, 16, 30), B: int = 8, H: int = 1, ctx_len: int = 300, repeats: int = 5,
+                      hit_rate: float = 1.0) -> dict:
+    """When does overlap pay on this machine? For D3D drafters of several depths (untrained, built
+    from target layers: cost does not depend on training), time one sequential round (verify(B) +
+    draft, all threads) against one async round (verify(B) ‖ packed pass, one thread each, plus
+    ``1 - hit_rate`` of a one-thread sync draft), at equal τ. ``crossover`` is the draft / verify
+    cost ratio (all threads) where the two rounds cost the same, interpolated between depths."""
+    from .bundles import BUNDLES, init_drafter
+
+    target = bundle.target
+    V = target.arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+    lo = min(100, V // 4)
+    ctx = torch.randint(lo, V - 1, (ctx_len,), generator=g)
+    cache = target.new_cache()
+    target.prefill(cache, ctx)
+    blk = torch.randint(lo, V - 1, (B,), generator=g)
+
+    def verify():
+        target.verify(cache, blk)
+        target.rollback(cache, B)
+
+    cfg = DecodeConfig(block_size=B, hypotheses=H)
+    spec = BUNDLES.get(bundle.name, BUNDLES["toy"])
+    rows = []
+    for d in sorted({min(int(x), target.num_layers) for x in depths}):
+        dr = init_drafter("d3d", target, spec, num_layers=d).to(target.device)
+        dcache = dr.new_cache()
+        d3d_prefill(dr, dcache, ctx.tolist())
+        draft = d3d_draft(dr, dcache, [], 5, cfg, g)
+        v2 = _median_ms(verify, repeats)
+        d2 = _median_ms(lambda: d3d_draft(dr, dcache, [], 5, cfg, g), repeats)
+        with cpu_threads(1):
+            d1 = _median_ms(lambda: d3d_draft(dr, dcache, [], 5, cfg, g), repeats)
+            g_lane = torch.Generator().manual_seed(1)
+            pair = _concurrent_ms(verify, lambda: d3d_packed(dr, dcache, 5, draft, cfg, g_lane), repeats)
+        seq, asy = v2 + d2, pair["round"] + (1 - hit_rate) * d1
+        rows.append({"depth": d, "verify_ms": v2, "draft_ms": d2, "draft_per_verify": d2 / v2, "seq_round_ms": seq,
+                     "async_round_ms": asy, "verify_1t_concurrent_ms": pair["verify"], "packed_1t_concurrent_ms": pair["packed"],
+                     "sync_draft_1t_ms": d1, "async_over_seq": seq / asy, "pays": asy < seq})
+        del dr, dcache
+    return {"B": B, "H": H, "hit_rate": hit_rate, "ctx_len": ctx_len, "rows": rows, "crossover": _crossing(rows)}
+
+
+def _crossing(rows: list) -> Optional[float]:
+    """The draft/verify ratio where async_over_seq crosses 1 (linear between measured depths);
+    None when every depth is on the same side."""
+    pts = sorted((r["draft_per_verify"], r["async_over_seq"]) for r in rows)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if (y0 - 1) * (y1 - 1) <= 0 and y1 != y0:
+            return x0 + (1 - y0) * (x1 - x0) / (y1 - y0)
+    return None
+
+
+def crossover_text(c: dict) -> str:
+    lines = [f"overlap on this machine (B={c['B']}, H={c['H']}, hit rate {c['hit_rate']:.0%}, context {c['ctx_len']}):"]
+    lines.append(f"{'depth':>6}{'draft/verify':>14}{'seq round':>11}{'async round':>13}{'async/seq speed':>17}")
+    for r in c["rows"]:
+        lines.append(f"{r['depth']:>6}{r['draft_per_verify']:>14.2f}{r['seq_round_ms']:>11.1f}{r['async_round_ms']:>13.1f}"
+                     f"{r['async_over_seq']:>16.2f}x")
+    x = c["crossover"]
+    lines.append(f"overlap pays once a draft costs more than {x:.0%} of a verify" if x is not None else
+                 "overlap " + ("pays at every measured depth" if all(r["pays"] for r in c["rows"]) else "does not pay at any measured depth"))
+    return "\n".join(lines)
+
+
 def breakdown_text(c: dict) -> str:
     lines = [f"cost breakdown ({c['engine']} engine, context {c['ctx_len']} tokens, median of {c['repeats']})"]
     for th, m in c["machine"].items():
@@ -274,15 +342,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="comma list of intra-op thread counts")
     ap.add_argument("--engine", choices=["fast", "eager"], default="fast", help="eager: the Hugging Face forward, F.linear drafters")
+    ap.add_argument("--crossover", default="8,16,30", help="D3D drafter depths for the overlap crossover ('' skips it)")
     ap.add_argument("--out", default="results/costs.json")
     args = ap.parse_args(argv)
     fastops.set_enabled(args.engine == "fast")
     bundle = get_bundle(args.bundle)
     watch = QuietWatch()
     res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")))
+    if args.crossover.strip():
+        res["overlap"] = overlap_crossover(bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
     res["machine_info"], res["quiet"] = machine_info(), watch.stop().to_json()
     print(res["machine_info"]["cpu"])
     print(breakdown_text(res))
+    if "overlap" in res:
+        print(crossover_text(res["overlap"]))
     if res["quiet"]["noisy"]:
         print(f"WARNING: {res['quiet']['warning']}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -176,6 +176,30 @@ def bench_result(bundle_name: str) -> Optional[dict]:
     return _asset_json("bench", f"{bundle_name}.json")
 
 
+def cost_breakdown(bundle_name: str) -> Optional[dict]:
+    """The shipped cost breakdown (python -m d3d_core.costs), if any."""
+    return _asset_json("bench", f"{bundle_name}-costs.json")
+
+
+def provenance(result: Optional[dict]) -> str:
+    """One line saying where and how a shipped measurement was taken, with the quietness warning."""
+    if not result:
+        return ""
+    m = result.get("machine") or result.get("machine_info") or {}
+    eng = result.get("engine")
+    eng = eng.get("target") if isinstance(eng, dict) else eng
+    line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}** ({m.get('torch_threads', '?')} threads"
+    line += f", {eng} engine)" if eng else ", engine not recorded)"
+    q = result.get("quiet")
+    if not q:
+        line += " · ⚠ quietness not recorded (an older measurement: the machine may have been busy)"
+    elif q.get("noisy"):
+        line += f" · ⚠ {q.get('warning')}"
+    else:
+        line += f" · quiet machine (others used {q.get('other_cores', 0):.2f} cores on average)"
+    return line
+
+
 def cost_profiles() -> dict:
     from .latency import PRESETS
 

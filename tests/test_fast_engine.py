@@ -179,3 +179,17 @@ def test_real_bundle_fast_and_eager_agree(smollm):
             ref = decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48)).output_ids
         assert smollm.target.engine == "fast"
         assert decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48)).output_ids == ref, p
+
+
+def test_overlap_crossover_measures_every_depth(toy):
+    from d3d_core.costs import _crossing, overlap_crossover
+
+    c = overlap_crossover(toy, depths=(1, 2, 4), B=4, ctx_len=16, repeats=2)
+    assert [r["depth"] for r in c["rows"]] == [1, 2, 4]
+    for r in c["rows"]:
+        assert r["seq_round_ms"] == pytest.approx(r["verify_ms"] + r["draft_ms"])
+        assert r["pays"] == (r["async_round_ms"] < r["seq_round_ms"])
+    # the crossing is interpolated where the async/seq speed ratio passes 1
+    rows = [{"draft_per_verify": 0.2, "async_over_seq": 0.8}, {"draft_per_verify": 0.6, "async_over_seq": 1.2}]
+    assert _crossing(rows) == pytest.approx(0.4)
+    assert _crossing(rows[:1]) is None
