@@ -158,3 +158,15 @@ def load_training_prompts(root: Optional[str] = None) -> list:
             txt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
             items.append(Item("alpaca", f"{f.stem}-{i}", _user(txt)))
     return items
+
+
+def load_training_references(root: Optional[str] = None) -> list:
+    """Human-written reference responses of the training files (gsm8k train answers, mbpp train
+    code, alpaca outputs): text close to what the target writes, for a vocabulary shortlist when
+    no self-distillation data is at hand. Never benchmark files."""
+    d = data_dir(root)
+    out = [r["answer"] for r in read_jsonl(d / "gsm8k" / "train.jsonl") if r.get("answer")]
+    out += [r["code"] for r in read_jsonl(d / "mbpp" / "mbpp.jsonl") if r["task_id"] in MBPP_TRAIN and r.get("code")]
+    for f in sorted((d / "alpaca").glob("*.jsonl")):
+        out += [r["output"] for r in read_jsonl(f) if r.get("output")]
+    return out

@@ -1,10 +1,12 @@
 """A vocabulary shortlist for a drafter's LM head (drafting speed on a CPU).
 
     python -m d3d_core.shortlist --drafter assets/drafters/smollm2-135m/d3d --size 8192
+    python -m d3d_core.shortlist --drafter ... --source references --data-dir ../shared/datasets
 
 The drafter then scores only the K most frequent tokens of the target's own responses in the
-self-distillation data (plus the end-of-turn tokens) instead of the whole vocabulary: its
-LM-head matmul shrinks V/K times. Decoding stays lossless (see ``_DrafterBase.logits``); what
+self-distillation data (``--source distill``), or of the training files' human-written reference
+answers (``--source references``: no distillation needed), plus the end-of-turn tokens, instead
+of the whole vocabulary: its LM-head matmul shrinks V/K times. Decoding stays lossless (see ``_DrafterBase.logits``); what
 it can cost is τ, when the target's next token is not in the list. The command reports the
 held-out coverage and offline τ with and without the list, then writes it into config.json.
 """
@@ -40,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors); config.json is rewritten")
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
+    ap.add_argument("--source", choices=["distill", "references"], default="distill",
+                    help="count tokens of the target's distilled responses, or of the training files' reference answers")
+    ap.add_argument("--data-dir", default=None, help="datasets directory for --source references (or $D3D_DATA_DIR)")
     ap.add_argument("--size", type=int, default=8192, help="tokens kept (0 removes the shortlist)")
     ap.add_argument("--eval", type=int, default=16, help="held-out sequences for coverage / offline τ")
     ap.add_argument("--dry-run", action="store_true", help="report only, do not write")
@@ -53,11 +58,18 @@ def main(argv=None) -> int:
     bundle = get_bundle(args.bundle)
     d = Path(args.drafter)
     drafter = load_drafter(d, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
-    ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
-    train_ex, held = split_holdout(ex, 384)
-    held = held[: args.eval]
+    if args.source == "references":
+        from .datasets import load_training_references
+        from .offline_tau import calibration_set
+
+        train_ex = [{"response_ids": bundle.tokenizer.encode_prompt(t, chat=False)} for t in load_training_references(args.data_dir)]
+        held = calibration_set(bundle)[: args.eval]  # the target's own continuations, never counted
+    else:
+        ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+        train_ex, held = split_holdout(ex, 384)
+        held = held[: args.eval]
     if not train_ex or not held:
-        print("error: no self-distillation data (python -m d3d_core.distill)", file=sys.stderr)
+        print("error: no self-distillation data (python -m d3d_core.distill) — or use --source references", file=sys.stderr)
         return 2
     ids = build_shortlist(train_ex, args.size, bundle.tokenizer.eos_ids) if args.size else ()
     kw = dict(B=8, stride=4, target=bundle.target)
@@ -68,7 +80,7 @@ def main(argv=None) -> int:
     if not args.dry_run:
         cfg = json.loads((d / "config.json").read_text())
         cfg["vocab_shortlist"] = list(ids)
-        cfg.setdefault("training", {})["shortlist"] = {"size": len(ids), "heldout_coverage": round(cov, 4),
+        cfg.setdefault("training", {})["shortlist"] = {"size": len(ids), "source": args.source, "heldout_coverage": round(cov, 4),
                                                         "offline_tau": round(short, 4), "offline_tau_full_vocab": round(full, 4)}
         (d / "config.json").write_text(json.dumps(cfg))
         print(f"wrote {d / 'config.json'}", file=sys.stderr)
