@@ -1,10 +1,37 @@
 """The "How it works" text and the glossary, in the words of DESIGN.md."""
 
-INTRO = """
+from typing import Optional
+
+INTRO_GENERIC = """
 ### Autoregressive (AR) decoding
 The **target** (the large model whose output we must reproduce exactly) produces one token per
-forward pass. On a CPU or a GPU at batch size 1, that pass is dominated by reading the weights, so
-feeding it 8 tokens costs little more than feeding it 1. Speculative decoding exploits exactly that.
+forward pass. On a GPU at batch size 1, that pass is dominated by reading the weights, so feeding it
+8 tokens costs little more than feeding it 1 — speculative decoding exploits exactly that. Whether it
+holds on *this* machine is measured in the **Benchmarks** tab (cost breakdown).
+"""
+
+
+def intro(costs: Optional[dict]) -> str:
+    """The AR section, quoting this machine's measured verify(B) / step from the shipped cost
+    breakdown (python -m d3d_core.costs) instead of the GPU rule of thumb."""
+    rows = [r for r in (costs or {}).get("rows", []) if r["threads"] == max(x["threads"] for x in costs["rows"])] if costs else []
+    ver = {r["B"]: r for r in rows if r["forward"].startswith("verify(") or r["forward"] == "step"}
+    if 1 not in ver or 8 not in ver:
+        return INTRO_GENERIC
+    cpu = ((costs.get("machine_info") or {}).get("cpu")) or "this CPU"
+    d3d = next((r for r in rows if r["forward"].startswith("d3d draft")), None)
+    ratios = ", ".join(f"verify({b}) = {ver[b]['per_step']:.2f}" for b in sorted(ver) if b > 1)
+    return f"""
+### Autoregressive (AR) decoding
+The **target** (the large model whose output we must reproduce exactly) produces one token per
+forward pass. On a GPU at batch size 1 that pass is dominated by reading the weights, so feeding it
+8 tokens costs hardly more than feeding it 1 — speculative decoding exploits exactly that.
+**On this machine it is not that cheap.** Measured on {cpu} ({ver[1]['threads']} threads): one step
+costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
+{d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
+{(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here — the
+**Timeline** tab's economics panel shows that break-even τ for your own run, and the **Benchmarks**
+tab where each forward's time goes.
 """
 
 DRAFT_VERIFY = """
@@ -34,7 +61,9 @@ to that context. Because it is independent, it can draft the *next* block **whil
 this one. It does not yet know how many drafts will be accepted, so it drafts successor blocks for the
 `H` most likely **hypotheses** `h = (a, t)` — "`a` drafts will be accepted and the bonus will be `t`" —
 in **one packed forward** (a 4-D attention mask keeps the hypotheses apart), scored by its own
-probabilities: `P(a, t) ≈ Π_{j≤a} q_j(d_j) · (1 − q_{a+1}(d_{a+1})) · q̃_{a+1}(t)`.
+probabilities: `P(a, t) ≈ Π_{j≤a} q_j(d_j) · (1 − q_{a+1}(d_{a+1})) · q̃_{a+1}(t)`, where `q_j` is the
+drafter's distribution at block position `j` and `q̃_{a+1}` is `q_{a+1}` with the rejected draft
+`d_{a+1}` removed and renormalised (a rejection means the target chose something else there).
 
 When verify returns `(a*, y)`: a **hit** (some hypothesis equals it) means the next block is already
 drafted and the next verify starts at once; a **miss** costs one synchronous draft, as in `d3d-seq`.
@@ -87,6 +116,25 @@ GLOSSARY = """
 | **idle time** | time a lane (target or drafter) had nothing to do during the run |
 | **offline τ** | τ measured by teacher forcing at many anchors, no decoding loop |
 | **lossless** | at temperature 0 every mode emits exactly the AR target's tokens |
+| **match rule** | the verify rule at temperature > 0 used by default: sample the target's token at every block position and accept drafts while they equal those samples (lossless, simple); *rejection* is standard speculative sampling (accept `d` with probability `min(1, p/q)`), which accepts more often |
+| **T_step, T_verify(B), T_draft, T_packed** | mean time of one ar step, one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
+| **break-even τ** | the τ at which a mode, with the round costs it paid, would tie `ar` on this machine: round time ÷ ar's time per token |
+| **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
 """
 
-SECTIONS = [INTRO, DRAFT_VERIFY, DFLASH, D3D, MISS, PRUNING]
+QUESTIONS = """
+### Questions your own run answers
+Run a race (the default prompt is one where the shipped drafters do well), then:
+
+| question | where to look |
+|---|---|
+| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: how many drafts each round kept (0 … B-1 drafts accepted, plus the bonus = τ's `a + 1`) |
+| **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
+| **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
+| **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a red *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
+| **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
+| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
+| **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
+"""
+
+SECTIONS = [DRAFT_VERIFY, DFLASH, D3D, MISS, PRUNING]

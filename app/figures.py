@@ -12,6 +12,7 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
+from d3d_core.economics import race_economics
 from d3d_core.trace import Trace, idle_time, overlap_share
 
 # Okabe-Ito
@@ -40,11 +41,13 @@ def _empty(title: str, msg: str) -> go.Figure:
 # ----------------------------------------------------------------------------- timeline
 
 
-def timeline_figure(traces: list) -> go.Figure:
+def timeline_figure(traces: list, projected: Optional[str] = None) -> go.Figure:
     """Gantt chart in ms: lanes target / drafter per mode, spans coloured by kind, hits ✓ and
     misses ✗ marked at the end of each d3d-async verify, all modes on one time axis
-    (each measured from its own start)."""
+    (each measured from its own start). ``projected``: the cost profile the traces were re-timed
+    with (d3d_core.clock) — then the title, the legend and every hover say so."""
     traces = [t for t in traces if t is not None]
+    tag = " (projected)" if projected else ""
     if not traces:
         return _empty("Draft / verify timeline", "Run a race to see when the target and the drafter are busy.")
     fig = go.Figure()
@@ -65,12 +68,13 @@ def timeline_figure(traces: list) -> go.Figure:
                 bases.append(s.t_start)
                 ys.append(f"{tr.mode} · {s.lane}")
                 r = "prefill" if s.round < 0 else f"round {s.round}"
-                hover.append(f"{tr.mode} {s.lane}: {KIND_LABELS[kind]}<br>{r}<br>{s.t_start:.1f} → {s.t_end:.1f} ms ({s.duration:.1f} ms)")
+                hover.append(f"{tr.mode} {s.lane}: {KIND_LABELS[kind]}<br>{r}<br>{s.t_start:.1f} → {s.t_end:.1f} ms ({s.duration:.1f} ms)"
+                             + (f"<br>PROJECTED under {projected}, not measured" if projected else ""))
         if not xs:
             continue
         seen.add(kind)
         fig.add_trace(go.Bar(
-            x=xs, base=bases, y=ys, orientation="h", name=KIND_LABELS[kind], marker_color=KIND_COLOURS[kind],
+            x=xs, base=bases, y=ys, orientation="h", name=KIND_LABELS[kind] + tag, marker_color=KIND_COLOURS[kind],
             marker_line=dict(color="white", width=0.5), hovertext=hover, hoverinfo="text", width=0.7,
         ))
     # hits / misses at the end of each async verify
@@ -86,8 +90,11 @@ def timeline_figure(traces: list) -> go.Figure:
                     marker=dict(symbol=sym, size=9, color=col, line=dict(color="black", width=1)),
                     hovertemplate=name + " at %{x:.1f} ms<extra></extra>",
                 ))
+    title = ("Draft / verify timeline (ms since each run started; gaps = idle)" if not projected else
+             f"PROJECTED timeline under “{projected}” — this run's rounds, hits and misses; span lengths from the "
+             "latency model, not measured")
     fig.update_layout(
-        title="Draft / verify timeline (ms since each run started; gaps = idle)", barmode="overlay",
+        title=dict(text=title, font=dict(size=14 if projected else 16)), barmode="overlay",
         xaxis=dict(title="time (ms)", rangemode="tozero"),
         yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes)), title=None),
         legend=dict(orientation="h", y=-0.25), height=max(300, 70 * len(lanes) + 140), **LAYOUT,
@@ -117,6 +124,54 @@ def timeline_summary(traces: list) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- acceptance
 
 
+ECON_PARTS = (("verify_per_token_ms", "verify (target)", BLUE),
+              ("draft_visible_per_token_ms", "draft not hidden", ORANGE),
+              ("idle_per_token_ms", "other (neither lane busy)", GREY))
+
+
+def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure:
+    """ms per output token = verify + draft not hidden + other, per mode, from each run's own spans
+    (the bars' lengths are the measured time per token); ar's time per token as a dotted line.
+    ``projected``: the traces were re-timed under that cost profile (labelled as such)."""
+    title = ("What one output token cost (ms), from this run's spans" if not projected else
+             f"PROJECTED cost per output token under “{projected}” (latency model, not measured)")
+    ec = race_economics(traces)
+    if not ec:
+        return _empty(title, "Run a race to see what each mode paid per token.")
+    fig = go.Figure()
+    names = [e.mode for e in ec]
+    for key, label, col in ECON_PARTS:
+        fig.add_trace(go.Bar(y=names, x=[getattr(e, key) for e in ec], name=label, orientation="h", marker_color=col,
+                             hovertemplate="%{y}: " + label + " %{x:.1f} ms per token<extra></extra>"))
+    text = []
+    for e in ec:
+        t = f"{e.per_token_ms:.0f} ms/token · τ {e.tau:.2f}"
+        if e.mode != "ar" and e.break_even_tau is not None:
+            t += f" · break-even τ {e.break_even_tau:.2f}"
+        text.append(t)
+    fig.add_trace(go.Scatter(y=names, x=[e.per_token_ms for e in ec], mode="text", text=text, textposition="middle right",
+                             showlegend=False, hoverinfo="skip"))
+    ar = next((e for e in ec if e.mode == "ar"), None)
+    if ar is not None:
+        fig.add_vline(x=ar.per_token_ms, line=dict(color=GREY, dash="dot"),
+                      annotation_text="ar", annotation_position="top")
+    xmax = max(e.per_token_ms for e in ec) * 1.9
+    fig.update_layout(barmode="stack", title=title, xaxis=dict(title="ms per output token", range=[0, xmax]),
+                      yaxis=dict(autorange="reversed"), height=120 + 45 * len(ec), legend=dict(orientation="h", y=-0.3), **LAYOUT)
+    return fig
+
+
+def economics_table(traces: list) -> pd.DataFrame:
+    """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step)."""
+    cols = ["mode", "τ", "T_step", "T_verify(B)", "T_draft", "T_packed", "hit rate", "round", "round / τ (ms/token)",
+            "measured ms/token", "speedup", "break-even τ"]
+    rows = []
+    for e in race_economics(traces):
+        rows.append([e.mode, e.tau, e.t_step_ms, e.t_verify_ms, e.t_draft_ms, e.t_packed_ms, e.hit_rate, e.round_ms,
+                     e.round_ms / e.tau if e.tau else None, e.per_token_ms, e.speedup, e.break_even_tau])
+    return pd.DataFrame(rows, columns=cols).round(2)
+
+
 def acceptance_figure(traces: list) -> go.Figure:
     """Histogram of tokens per round (accepted + bonus) per mode, τ marked."""
     traces = [t for t in traces if t is not None and t.rounds and t.mode != "ar"]
@@ -143,9 +198,10 @@ def acceptance_figure(traces: list) -> go.Figure:
     return fig
 
 
-def speedup_vs_block_figure(sweep: Optional[dict]) -> go.Figure:
+def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Figure:
     """Measured τ and speedup per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}:
-    two panels side by side, because a longer block raises τ but also the verify cost."""
+    two panels side by side, because a longer block raises τ but also the verify cost. d3d-seq and
+    d3d-async share τ exactly (same drafter, same verify), so d3d-seq's τ line is dashed and wider."""
     if not sweep:
         return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.bench --block-sizes …).")
     from plotly.subplots import make_subplots
@@ -155,15 +211,18 @@ def speedup_vs_block_figure(sweep: Optional[dict]) -> go.Figure:
         pts = {int(b): v for b, v in pts.items()}
         bs = sorted(pts)
         col = MODE_COLOURS.get(mode, GREY)
+        seq = mode == "d3d-seq"
         fig.add_trace(go.Scatter(x=bs, y=[pts[b]["tau"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
-                                 marker_color=col, hovertemplate=mode + ", B = %{x}: τ = %{y:.2f}<extra></extra>"), row=1, col=1)
+                                 marker=dict(color=col, size=12 if seq else 7), line=dict(dash="dash" if seq else "solid", width=4 if seq else 2),
+                                 hovertemplate=mode + ", B = %{x}: τ = %{y:.2f}<extra></extra>"), row=1, col=1)
         fig.add_trace(go.Scatter(x=bs, y=[pts[b]["speedup"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
                                  showlegend=False, marker_color=col,
                                  hovertemplate=mode + ", B = %{x}: %{y:.2f}× ar<extra></extra>"), row=1, col=2)
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"), row=1, col=2)
     for c in (1, 2):
         fig.update_xaxes(title_text="block size B", type="log", dtick=math.log10(2), row=1, col=c)
-    fig.update_layout(title="Measured block-size sweep", height=380, legend=dict(orientation="h", y=-0.25), **LAYOUT)
+    on = f" on {datasets}" if datasets else ""
+    fig.update_layout(title=f"Measured block-size sweep{on} (d3d-seq and d3d-async have the same τ)", height=380, legend=dict(orientation="h", y=-0.25), **LAYOUT)
     return fig
 
 

@@ -56,9 +56,10 @@ def _fmt(v, fmt="{:.2f}") -> str:
 
 
 def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Optional[float] = None,
-                ar_time_per_token: Optional[float] = None, running: bool = False) -> str:
+                ar_time_per_token: Optional[float] = None, running: bool = False, econ=None) -> str:
     """HTML of one race column. ``t_ms``: show the state at that time of the run (replay);
-    ``ar_time_per_token``: seconds per token of the ar run, for the speedup counter."""
+    ``ar_time_per_token``: seconds per token of the ar run, for the speedup counter;
+    ``econ``: the run's ``Economics`` (shown under the counters once it has finished)."""
     if trace is None:
         return CSS + f'<div class="d3d-col"><div class="d3d-head">{html.escape(mode)}</div><i>waiting…</i></div>'
     mode = trace.mode
@@ -125,9 +126,29 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     foot = ""
     if final:
         foot = f'<div class="d3d-done">done: {n_tok} tokens, finish = {html.escape(trace.finish_reason)}, decode {st.decode_time_s:.2f} s</div>'
+        if econ is not None:
+            foot += _econ_html(econ)
     elif running:
         foot = '<div class="d3d-done">running…</div>'
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
         f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
     )
+
+
+def _econ_html(e) -> str:
+    """The run's economics in three short lines (ms from its own spans)."""
+    lines = [f"per token <b>{e.per_token_ms:.0f} ms</b> = verify {e.verify_per_token_ms:.0f} + draft not hidden "
+             f"{e.draft_visible_per_token_ms:.0f} + other {e.idle_per_token_ms:.0f}"]
+    if e.mode != "ar":
+        c = f"T_verify {e.t_verify_ms:.0f} ms"
+        if e.t_draft_ms is not None:
+            c += f" · T_draft {e.t_draft_ms:.0f}"
+        if e.t_packed_ms is not None:
+            c += f" · T_packed {e.t_packed_ms:.0f}"
+        if e.t_step_ms:
+            c += f" · T_step {e.t_step_ms:.0f}"
+        lines.append(c)
+        if e.break_even_tau is not None:
+            lines.append(f"round {e.round_ms:.0f} ms / τ {e.tau:.2f} → ties ar at τ = <b>{e.break_even_tau:.2f}</b>")
+    return '<div class="d3d-done d3d-econ">' + "<br>".join(lines) + "</div>"

@@ -13,9 +13,11 @@ import time
 import gradio as gr
 
 from d3d_core import service
+from d3d_core.economics import race_economics
 from d3d_core.trace import MODES
 
 from . import explain, figures
+from .export import race_html, traces_json_of
 from .spaces_gpu import maybe_gpu
 from .tokens import column_html, legend_html
 
@@ -28,7 +30,7 @@ STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
 
 def empty_state() -> dict:
-    return {"bundle": service.DEFAULT_BUNDLE, "traces": {}, "pieces": {}, "skip": [], "cancel": None}
+    return {"bundle": service.DEFAULT_BUNDLE, "traces": {}, "pieces": {}, "skip": [], "cancel": None, "clock": service.MEASURED_CLOCK}
 
 
 def _traces(state) -> list:
@@ -44,19 +46,47 @@ def _ar_tpt(state):
 
 def _columns(state, running_mode=None) -> list:
     tpt = _ar_tpt(state)
+    econ = {e.mode: e for e in race_economics(_traces(state))}
     return [
-        column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m == running_mode))
+        column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m == running_mode),
+                    econ=econ.get(m) if m != running_mode else None)
         for m in MODES
     ]
 
 
+def _clocked(state) -> tuple:
+    """(traces on the chosen clock, projected profile name or None)."""
+    return service.retimed(_traces(state), state.get("clock") or service.MEASURED_CLOCK)
+
+
 def _plots(state):
     trs = _traces(state)
+    timed, projected = _clocked(state)
     return (
-        figures.timeline_figure(trs),
-        figures.timeline_summary(trs),
+        figures.timeline_figure(timed, projected),
+        figures.timeline_summary(timed),
         figures.acceptance_figure(trs),
+        figures.economics_figure(timed, projected),
+        figures.economics_table(timed),
     )
+
+
+def set_clock(clock, state):
+    """Re-time the Timeline (and the replay) under a cost profile, or back to the measured clock."""
+    state = dict(state or empty_state())
+    try:
+        service.retimed([], clock)
+    except ValueError as e:
+        gr.Warning(str(e))
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), state
+    state["clock"] = clock
+    tl, summ, _, econ_fig, econ_tab = _plots(state)
+    return tl, summ, econ_fig, econ_tab, service.clock_assumptions(clock), state
+
+
+def economics_sentences(state) -> str:
+    """One sentence per drafting mode of the race: how fast it was against ar, and why."""
+    return " ".join(e.sentence() for e in race_economics(_traces(state)) if e.sentence())
 
 
 def _rounds_view(state, mode, idx):
@@ -92,17 +122,17 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
     except ValueError as e:
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *[no] * 4, state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *[no] * 4, state, *[no] * 7)
         return
     cancel = threading.Event()
     state.update(bundle=bundle, traces={}, pieces={}, cancel=cancel)
     yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
-           *_columns(state), state, no, no, no, no, no)
+           *_columns(state), state, *[no] * 7)
     try:
         info = service.bundle_summary(bundle)
     except (FileNotFoundError, ValueError, OSError) as e:
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *[no] * 4, state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *[no] * 4, state, *[no] * 7)
         return
     skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
     note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
@@ -115,11 +145,11 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             if done or now - last >= STREAM_EVERY_S:
                 last = now
                 state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
-                yield (f"Running `{mode}`{note} on {info['description']} (target attention: {info['attention']}) …", *_columns(state, None if done else mode),
-                       state, no, no, no, no, no)
+                yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …", *_columns(state, None if done else mode),
+                       state, *[no] * 7)
     except ValueError as e:
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *_columns(state), state, no, no, no, no, no)
+        yield (f"**Error:** {e}", *_columns(state), state, *[no] * 7)
         return
     finally:
         gen.close()
@@ -132,9 +162,12 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         status += (f" · note: the {' and '.join(untrained)} drafter(s) of this bundle are untrained (initialised from "
                    "target layers), so drafts are rarely accepted and drafting modes run slower than ar; "
                    "the tokens are still exactly ar's")
-    tl, summ, acc = _plots(state)
+    why = economics_sentences(state)
+    if why and not stopped:
+        status += "\n\n" + why
+    tl, summ, acc, econ_fig, econ_tab = _plots(state)
     pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else None)
-    yield (status, *_columns(state), state, tl, summ, acc,
+    yield (status, *_columns(state), state, tl, summ, acc, econ_fig, econ_tab,
            gr.update(choices=ran, value=pick), gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)))
 
 
@@ -152,18 +185,24 @@ def stop_race(state):
 
 def replay_race(state):
     """Replay every mode's run side by side on its own real clock (the race, made visible)."""
-    trs = _traces(state or {})
+    state = state or {}
+    trs, projected = _clocked(state) if _traces(state) else ([], None)
     if not trs:
         yield ("Run a race first, then replay it.", *[gr.skip()] * 4)
         return
+    by_mode = {t.mode: t for t in trs}
     end = max((s.t_end for t in trs for s in t.spans), default=0.0)
-    tpt = _ar_tpt(state)
+    ar = by_mode.get("ar")
+    tpt = 1.0 / ar.stats.tokens_per_s if ar is not None and ar.stats.tokens_per_s > 0 else None
+    # a projected clock can be far faster than real time: stretch it to last at least 4 s on screen
+    slow = max(1.0, 4000.0 / end) if projected and end > 0 else 1.0
+    clock = f"PROJECTED under “{projected}”, slowed {slow:.0f}× to watch" if projected else "real speed"
     t0 = time.perf_counter()
     while True:
-        t_ms = (time.perf_counter() - t0) * 1e3
-        cols = [column_html(state["traces"].get(m), state["pieces"], m, t_ms=min(t_ms, end), ar_time_per_token=tpt)
+        t_ms = (time.perf_counter() - t0) * 1e3 / slow
+        cols = [column_html(by_mode.get(m), state["pieces"], m, t_ms=min(t_ms, end), ar_time_per_token=tpt)
                 for m in MODES]
-        yield (f"Replay at real speed: {min(t_ms, end) / 1e3:.1f} s / {end / 1e3:.1f} s", *cols)
+        yield (f"Replay ({clock}): {min(t_ms, end):.0f} ms / {end:.0f} ms of decoding", *cols)
         if t_ms >= end:
             break
         time.sleep(0.1)
@@ -217,8 +256,11 @@ def measure_pruned(bundle, active, state):
         return f"**Error:** {e}", gr.skip(), state
     state["skip"] = skip
     curve = service.pruning_curve(bundle)
+    per_layer = service.drafter_layer_ms(bundle)
+    saved = (f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine, "
+             "from the cost breakdown)") if per_layer and skip else ""
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
-           f"({tau / full:.1%} of the full drafter's {full:.3f}) · measured in {time.perf_counter() - t0:.1f} s "
+           f"({tau / full:.1%} of the full drafter's {full:.3f}){saved} · measured in {time.perf_counter() - t0:.1f} s "
            f"on {service.calibration_size(bundle)} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
 
@@ -231,7 +273,7 @@ def bench_views(bundle) -> tuple:
     costs = service.cost_breakdown(bundle)
     datasets = ["all"] + list(((res or {}).get("acceptance_hist") or {}).keys())
     return (service.provenance(res), figures.bench_table(res), figures.latency_check_table(res), datasets,
-            figures.bench_acceptance_figure(res), figures.speedup_vs_block_figure(service.block_sweep(bundle)),
+            figures.bench_acceptance_figure(res), figures.speedup_vs_block_figure(service.block_sweep(bundle), service.block_sweep_datasets(bundle)),
             service.provenance(costs), figures.cost_breakdown_figure(costs), figures.overlap_text(costs))
 
 
@@ -259,11 +301,25 @@ def download_traces(state):
     return path
 
 
+def export_race(state):
+    """The current race as one self-contained HTML file (opens offline; the Traces tab reads it back)."""
+    state = state or {}
+    try:
+        page = race_html(_traces(state), state.get("pieces") or {})
+    except ValueError as e:
+        raise gr.Error(str(e)) from None
+    d = tempfile.mkdtemp(prefix="d3d-race-")
+    path = os.path.join(d, f"d3d-race-{int(time.time())}.html")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path
+
+
 def upload_traces(file, state):
     state = dict(state or empty_state())
     no = gr.skip()
     if file is None:
-        return "Choose a trace JSON file to view.", no, no, no, no, state, no
+        return "Choose a trace JSON file to view.", no, no, no, no, no, no, state, no
     path = file if isinstance(file, str) else getattr(file, "name", None)
     try:
         if not path or not os.path.isfile(path):
@@ -272,7 +328,10 @@ def upload_traces(file, state):
         if size > 20_000_000:
             raise ValueError(f"file is too large ({size:,} bytes, limit 20,000,000)")
         with open(path, "rb") as f:
-            trs = service.read_traces(f.read())
+            data = f.read()
+        if data.lstrip()[:15].lower().startswith(b"<!doctype html"):  # an exported race page
+            data = traces_json_of(data.decode("utf-8", errors="replace"))
+        trs = service.read_traces(data)
         bundle = trs[0].bundle
         state["traces"] = {t.mode: t for t in trs}
         try:
@@ -280,11 +339,11 @@ def upload_traces(file, state):
         except ValueError:  # a bundle this server doesn't have: show ids
             state["pieces"] = {}
     except ValueError as e:
-        return f"**Could not read that trace:** {e}", no, no, no, no, state, no
-    tl, summ, acc = _plots(state)
+        return f"**Could not read that trace:** {e}", no, no, no, no, no, no, state, no
+    tl, summ, acc, econ_fig, econ_tab = _plots(state)
     ran = [m for m in MODES if m in state["traces"]]
     return (f"**Loaded** {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)} — see the Race, Rounds, Timeline and Acceptance tabs.",
-            tl, summ, acc, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
+            tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
 # ----------------------------------------------------------------------------- layout
@@ -324,6 +383,9 @@ def build_demo() -> gr.Blocks:
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
                     replay_btn = gr.Button("↻ Replay side by side (real time)", elem_id="replay")
+                    export_btn = gr.Button("⬇ Export race as HTML", elem_id="export")
+                export_file = gr.File(label="Race as one HTML file (opens offline; the Traces tab can load it back)", interactive=False,
+                                      elem_id="export-file")
                 gr.HTML(legend_html())
                 with gr.Row(equal_height=False):
                     cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]
@@ -339,13 +401,26 @@ def build_demo() -> gr.Blocks:
                 r_grid = gr.Plot(figures.rounds_grid_figure(None, {}), label="Rounds")
                 r_hyps = gr.Dataframe(figures.hypotheses_table(None, 0, {}), label="Hypotheses drafted during this round's verify (d3d-async)", interactive=False)
             with gr.Tab("Timeline", id="timeline"):
+                with gr.Row():
+                    clock = gr.Radio(service.clock_names(), value=service.MEASURED_CLOCK, elem_id="clock",
+                                     label="Clock: as measured here, or this run re-timed on other hardware (latency model, projected)")
+                with gr.Accordion("What this clock assumes", open=False):
+                    clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
                 tl_summary = gr.Dataframe(figures.timeline_summary([]), label="Overlap and idle time", interactive=False)
+                gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
+                            "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
+                            "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
+                            "time per token. *Break-even τ* is the τ at which the mode, with these round costs, would tie `ar` here.")
+                econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
+                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs this run paid (ms)", interactive=False)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
-                sweep_plot = gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE)), label="Speedup vs block size")
+                gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE), service.block_sweep_datasets(service.DEFAULT_BUNDLE)),
+                        label="Speedup vs block size")
             with gr.Tab("Pruning", id="pruning"):
-                gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live on a small calibration set; the curve shows the precomputed greedy progression.")
+                gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
+                            "on a small calibration set; the curve shows the precomputed greedy progression.")
                 p_layers = gr.CheckboxGroup([], label="Active D3D drafter layers")
                 p_msg = gr.Markdown()
                 with gr.Row():
@@ -375,7 +450,8 @@ def build_demo() -> gr.Blocks:
                         b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
                     b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
                 gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
-                            "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
+                            "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe "
+                            "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")
                 with gr.Row():
                     pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")
@@ -391,7 +467,8 @@ def build_demo() -> gr.Blocks:
                 pj_plot = gr.Plot(label="Projected speedup (model)")
                 pj_src = gr.Markdown()
             with gr.Tab("How it works", id="explain"):
-                gr.Markdown(explain.INTRO)
+                gr.Markdown(explain.QUESTIONS, elem_id="questions")
+                gr.Markdown(explain.intro(service.cost_breakdown(service.DEFAULT_BUNDLE)), elem_id="intro")
                 gr.Plot(figures.diagram_ar(), label="AR")
                 gr.Markdown(explain.DRAFT_VERIFY)
                 gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
@@ -407,10 +484,10 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
                 dl_btn = gr.Button("Prepare download")
                 dl_file = gr.File(label="Traces JSON", interactive=False)
-                up_file = gr.File(label="Upload a trace JSON", file_types=[".json"], type="filepath")
+                up_file = gr.File(label="Upload a trace JSON (or an exported race HTML)", file_types=[".json", ".html"], type="filepath")
                 up_msg = gr.Markdown()
 
-        race_outputs = [status, *cols, state, tl_plot, tl_summary, acc_plot, r_mode, r_idx]
+        race_outputs = [status, *cols, state, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
             maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
@@ -427,7 +504,9 @@ def build_demo() -> gr.Blocks:
         p_layers.input(measure_pruned, [bundle, p_layers, state], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
         bundle.change(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
-        up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, r_mode, state, r_idx],
+        export_btn.click(export_race, [state], [export_file], api_name="export_html")
+        clock.change(set_clock, [clock, state], [tl_plot, tl_summary, econ_plot, econ_table, clock_src, state], api_name="clock")
+        up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, state, r_idx],
                        api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False)
         demo.load(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         pj_inputs = [pj_profile, pj_B, pj_tau, pj_hit, pj_H, pj_v, pj_d, pj_p]

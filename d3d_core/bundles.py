@@ -359,7 +359,7 @@ def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d:
         dpath = Path(_resolve(dflash, "DFlash drafter"))
         cfg_file = dpath / "config.json"
         if cfg_file.is_file() and "dflash_config" in json.loads(cfg_file.read_text()):
-            drafters["dflash"] = load_zlab_dflash(dpath, tgt.shared, tgt.arch, device=device, dtype=dtype)
+            drafters["dflash"] = load_zlab_dflash(dpath, tgt.shared, tgt.arch, device=device, dtype=dtype, target_config=tgt.config)
             info["dflash"] = f"z-lab checkpoint {dflash}"
         else:
             drafters["dflash"] = load_drafter(dpath, tgt.shared, tgt.arch, device=device, dtype=dtype)

@@ -42,7 +42,36 @@ def read_zlab_config(path: Path) -> dict:
     return cfg
 
 
-def zlab_drafter_config(cfg: dict, target_arch: ArchConfig) -> DrafterConfig:
+def _rope_of(cfg) -> dict:
+    """{theta, scaling} of an HF config (dict or object), in the 4.x (rope_theta / rope_scaling) or the
+    5.x (rope_parameters) spelling; keys that only name the default are dropped."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    rp = dict(get("rope_parameters") or {})
+    theta = rp.pop("rope_theta", None) or get("rope_theta")
+    scaling = dict(get("rope_scaling") or {}) or rp
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta",) and not (k in ("rope_type", "type") and v == "default")}
+    return {"theta": float(theta) if theta is not None else None, "scaling": scaling}
+
+
+def check_zlab_compatible(cfg: dict, target_config) -> None:
+    """Refuse, with a clear message, what this loader does not implement: the drafter uses the
+    target's rotary embedding, so its RoPE must equal the target's; every layer attends fully."""
+    if target_config is not None:
+        mine, theirs = _rope_of(cfg), _rope_of(target_config)
+        if mine["theta"] is not None and theirs["theta"] is not None and mine["theta"] != theirs["theta"]:
+            raise ValueError(f"DFlash drafter rope_theta {mine['theta']:g} differs from the target's {theirs['theta']:g}; "
+                             "this loader applies the target's rotary embedding to the drafter, so they must match")
+        if mine["scaling"] and mine["scaling"] != theirs["scaling"]:
+            raise ValueError(f"DFlash drafter rope_scaling {mine['scaling']} differs from the target's {theirs['scaling'] or 'none'}; "
+                             "this loader applies the target's rotary embedding to the drafter, so they must match")
+    kinds = set(cfg.get("layer_types") or [])
+    if cfg.get("use_sliding_window") or kinds - {"full_attention"}:
+        raise ValueError(f"DFlash drafter declares sliding-window attention ({sorted(kinds) or 'use_sliding_window'}), "
+                         "which this loader does not implement (every drafter layer attends to the whole context)")
+
+
+def zlab_drafter_config(cfg: dict, target_arch: ArchConfig, target_config=None) -> DrafterConfig:
+    check_zlab_compatible(cfg, target_config)
     dc = cfg.get("dflash_config") or {}
     need = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "rms_norm_eps"]
     missing = [k for k in need if k not in cfg]
@@ -81,13 +110,15 @@ def zlab_drafter_config(cfg: dict, target_arch: ArchConfig) -> DrafterConfig:
     )
 
 
-def load_zlab_dflash(path, shared: SharedParts, target_arch: ArchConfig, device="cpu", dtype=torch.float32) -> DFlashDrafter:
-    """Load a z-lab DFlash checkpoint directory into ``DFlashDrafter``."""
+def load_zlab_dflash(path, shared: SharedParts, target_arch: ArchConfig, device="cpu", dtype=torch.float32,
+                     target_config=None) -> DFlashDrafter:
+    """Load a z-lab DFlash checkpoint directory into ``DFlashDrafter``. ``target_config`` (the
+    target's HF config) lets the loader refuse a drafter whose RoPE differs from the target's."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = zlab_drafter_config(read_zlab_config(path), target_arch)
+    cfg = zlab_drafter_config(read_zlab_config(path), target_arch, target_config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {path} (pickled .bin weights are never loaded)")

@@ -192,6 +192,8 @@ PRESETS = {
                               4: {"verify": 1.01, "packed": 1.11}, 8: {"verify": 1.06, "packed": 1.06}}},
     ),
     "qwen3-8b on H200 (derived)": _gpu_profile("qwen3-8b on H200 (derived)", 8.2, 36, 4096, 151936, 4.8, 0.8),
+    # the bundled 135M target on a GPU: weights are read in ~0.06 ms, so launch overhead dominates
+    "smollm2-135m on H200 (derived)": _gpu_profile("smollm2-135m on H200 (derived)", 0.135, 30, 576, 49152, 4.8, 1.5),
     "qwen3-8b on H100 (derived)": _gpu_profile("qwen3-8b on H100 (derived)", 8.2, 36, 4096, 151936, 3.35, 0.8),
     "qwen3-32b on H200 (derived)": _gpu_profile("qwen3-32b on H200 (derived)", 32.8, 64, 5120, 151936, 4.8, 1.2),
 }

@@ -5,7 +5,8 @@ Timings on these machines differ by CPU model (an AVX2 EPYC and an AVX-512 Xeon 
 halves everything). Every bench / cost result therefore carries ``machine_info()`` and a
 ``Quietness`` record: the load average when it started and the CPU time *other* processes
 took while it ran. A run is called noisy when others used more than ``NOISY_CORES`` of a core
-on average, or the 1-minute load average was above ``NOISY_LOAD`` at the start.
+on average. The load average is recorded but does not decide: it trails by a minute, so a run
+started right after another benchmark (of the same chain) shows that one's load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass
 
 NOISY_CORES = 0.10  # other processes' mean CPU use (cores) above which a timing is flagged
-NOISY_LOAD = 1.0  # 1-minute load average at the start (this process included) above which a timing is flagged
 
 
 def machine_info() -> dict:
@@ -92,7 +92,5 @@ class QuietWatch:
         why = []
         if cores == cores and cores > NOISY_CORES:  # NaN-safe
             why.append(f"other processes kept {cores:.2f} cores busy on average")
-        if self.load == self.load and self.load > NOISY_LOAD:
-            why.append(f"the load average was {self.load:.2f} when it started")
         msg = ("machine was not quiet: " + " and ".join(why) + "; timings and speedups may be off") if why else ""
         return Quietness(round(self.load, 2), round(other, 2), round(wall, 2), round(cores, 3), bool(why), msg)

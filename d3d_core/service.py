@@ -91,6 +91,9 @@ def bundle_summary(name: str) -> dict:
         "d3d_layers": d3d.cfg.num_layers,
         "d3d_init_layers": list(d3d.cfg.init_layers),
         "d3d_default_skip": list(d3d.cfg.skip_layers),  # a shipped pruned default skips these
+        "d3d_active_layers": len(d3d.active_layers()),
+        "engine": b.target.engine,
+        "engine_note": b.target.fast_reason() or "fast CPU engine (prepacked oneDNN linears, static KV cache)",
         "drafters": dict(b.drafter_info),
     }
 
@@ -171,9 +174,53 @@ def block_sweep(bundle_name: str) -> Optional[dict]:
     return d.get("sweep") if d else None
 
 
+def block_sweep_datasets(bundle_name: str) -> str:
+    """Which datasets the shipped block-size sweep ran on (for its title)."""
+    d = _asset_json("bench", f"{bundle_name}-block-sweep.json") or {}
+    ds = (d.get("config") or {}).get("datasets") or ""
+    return ds if isinstance(ds, str) else ", ".join(ds)
+
+
 def bench_result(bundle_name: str) -> Optional[dict]:
     """The measured bench table shipped for the bundle (assets/bench/<bundle>.json), if any."""
     return _asset_json("bench", f"{bundle_name}.json")
+
+
+MEASURED_CLOCK = "measured here"
+
+
+def clock_names() -> list:
+    """The Timeline's clocks: the run as measured, or re-timed under a latency-model profile."""
+    from .latency import PRESETS
+
+    return [MEASURED_CLOCK] + [n for n in PRESETS if "measured" not in n]
+
+
+def retimed(traces: list, clock: str) -> tuple:
+    """(traces, projected profile name or None) for the chosen clock; ValueError for an unknown one."""
+    from .clock import retime_all
+    from .latency import PRESETS
+
+    if clock in (None, "", MEASURED_CLOCK):
+        return traces, None
+    if clock not in PRESETS:
+        raise ValueError(f"unknown clock {clock!r}; choose one of {', '.join(clock_names())}")
+    return retime_all(traces, PRESETS[clock]), clock
+
+
+def clock_assumptions(clock: str) -> str:
+    from .latency import PRESETS
+
+    if clock in (None, "", MEASURED_CLOCK):
+        return "Span lengths as measured on this machine during the run (synchronised clock of both lanes)."
+    p = PRESETS.get(clock)
+    if p is None:
+        return ""
+    return (f"**Projected** under “{p.name}”. Source: {p.source}. Assumptions: {p.assumptions}. "
+            f"T_step = {p.t_step_ms:.2f} ms, T_verify(8) = {p.at(p.t_verify_ms, 8):.2f} ms, "
+            f"T_draft D3D(8) = {p.at(p.t_draft_d3d_ms, 8):.2f} ms, T_packed(H=4) = {p.at(p.t_packed_ms, 4):.2f} ms. "
+            "The rounds, accepted lengths, hits and misses are this run's; only the span lengths change "
+            "(sequential: draft then verify; async: the longer of verify and the packed pass, plus a sync draft after a miss).")
 
 
 def cost_breakdown(bundle_name: str) -> Optional[dict]:
@@ -247,13 +294,27 @@ def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
     return tau, full
 
 
+def drafter_layer_ms(bundle_name: str) -> Optional[float]:
+    """What one D3D drafter layer costs per draft on this machine (ms, all threads), from the shipped
+    cost breakdown: the draft's wall time less its LM head, over the layers it ran; None if not shipped."""
+    c = cost_breakdown(bundle_name)
+    if not c or not c.get("rows"):
+        return None
+    th = max(r["threads"] for r in c["rows"])
+    r = next((r for r in c["rows"] if r["threads"] == th and r["forward"].startswith("d3d draft")), None)
+    n = bundle_summary(bundle_name)["d3d_active_layers"] if r else None
+    if not r or not n:
+        return None
+    return (r["wall_ms"] - r["parts"]["lm_head"]["ms"]) / n
+
+
 def calibration_size(bundle_name: str) -> int:
     from .offline_tau import anchors_for, calibration_set
 
     return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
 
 
-__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project", 
+__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
     "bundle_names", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
 ]

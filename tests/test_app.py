@@ -21,7 +21,8 @@ RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash",
 
 def test_named_endpoints(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/race", "/stop", "/replay", "/rounds", "/pruning_curve", "/measure_pruned", "/download_traces", "/upload_trace", "/project"} <= names
+    assert {"/race", "/stop", "/replay", "/rounds", "/pruning_curve", "/measure_pruned", "/download_traces", "/upload_trace", "/project",
+            "/clock", "/export_html"} <= names
 
 
 def test_projection_endpoint(client):
@@ -84,8 +85,7 @@ def test_download_rounds_and_upload_round_trip(client, tmp_path):
 
 
 def test_pruning_endpoints(client):
-    res = client.predict("toy", api_name="/pruning_curve")
-    layers = res[0]
+    client.predict("toy", api_name="/pruning_curve")
     msg, fig = client.predict("toy", ["L1 (from target layer 3)"], api_name="/measure_pruned")
     assert "offline τ" in msg and "1 of 2 layers removed" in msg
     msg, _ = client.predict("toy", [], api_name="/measure_pruned")
@@ -113,3 +113,19 @@ def test_stop_ends_a_real_run_within_a_round_and_the_next_run_works(client):
     assert res[0].startswith("**Stopped**") and "finish = cancelled" in res[1]
     again = client.predict(*RACE.values(), api_name="/race")
     assert again[0].startswith("**Done**")
+
+
+def test_clock_export_and_upload_of_the_export(client):
+    from gradio_client import handle_file
+
+    client.predict(*RACE.values(), api_name="/race")
+    tl, summ, econ, table, src, *_ = client.predict("smollm2-135m on H200 (derived)", api_name="/clock")
+    assert "Projected" in src and "Assumptions" in src
+    assert "PROJECTED" in json.dumps(tl)
+    tl, summ, econ, table, src, *_ = client.predict("measured here", api_name="/clock")
+    assert "PROJECTED" not in json.dumps(tl) and "measured" in src
+    path = client.predict(api_name="/export_html")
+    page = Path(path).read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "d3d-traces" in page
+    msg = client.predict(handle_file(path), api_name="/upload_trace")[0]
+    assert msg.startswith("**Loaded** 4 trace(s)"), msg

@@ -49,8 +49,7 @@ def _set_slider(page, label, value):
 def test_race_and_every_tab(server, page):
     page.goto(server, wait_until="domcontentloaded")
     page.get_by_text("D3D Studio", exact=False).first.wait_for()
-    _set_slider(page, "Max new tokens", 24)
-    page.locator("#prompt textarea").fill("Write a short story about a robot who learns to paint.")
+    _set_slider(page, "Max new tokens", 24)  # the default prompt, shortened
     page.locator("#run").click()
     page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
     counts = set()
@@ -61,6 +60,9 @@ def test_race_and_every_tab(server, page):
         counts.add(found.group(1))
     assert len(counts) == 1  # lossless: every mode printed the same number of tokens
     assert page.locator(".tok.bonus").count() > 0
+    # the economics of each run sit under its counters, and the status says why each mode was as fast as it was
+    assert "break-even" in page.locator("#col-d3d-seq").inner_text().replace("ties ar at τ", "break-even")
+    assert "× ar" in page.locator("#status").inner_text()
     _shot(page, "1-race")
     for tab, name in (("Rounds", "2-rounds"), ("Timeline", "3-timeline"), ("Acceptance", "4-acceptance"),
                       ("Pruning", "5-pruning"), ("Benchmarks", "5b-benchmarks"), ("How it works", "6-explain")):
@@ -77,3 +79,31 @@ def test_race_and_every_tab(server, page):
     page.get_by_role("button", name="Prepare download").click()
     page.get_by_text(".json", exact=False).first.wait_for(timeout=20_000)
     _shot(page, "7-traces")
+
+
+def test_clock_and_export(server, page, tmp_path):
+    """After the race above: re-time the Timeline under a projected GPU profile and back, export the
+    race as one HTML file, and open that file in the browser with no server."""
+    page.get_by_role("tab", name="Timeline").click()
+    page.wait_for_timeout(500)
+    title = lambda: page.locator(".js-plotly-plot:visible .gtitle").first.inner_text()  # noqa: E731
+    assert "PROJECTED" not in title()
+    page.locator("#clock").get_by_text("qwen3-8b on H200 (derived)").click()
+    page.wait_for_function("() => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
+    assert "PROJECTED" in title()
+    _shot(page, "3b-timeline-projected")
+    page.locator("#clock").get_by_text("measured here").click()
+    page.wait_for_function("() => ![...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
+    page.get_by_role("tab", name="Race").click()
+    page.locator("#export").click()
+    link = page.locator("#export-file a").first
+    link.wait_for(timeout=60_000)
+    with page.expect_download() as dl:
+        link.click()
+    out = tmp_path / "race.html"
+    dl.value.save_as(str(out))
+    page.goto(out.as_uri())
+    page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+    assert page.locator(".d3d-col").count() == 4 and page.locator(".tok.bonus").count() > 0
+    assert page.locator(".js-plotly-plot .barlayer .point").count() > 10  # the timeline drew offline
+    _shot(page, "8-exported-race")

@@ -146,7 +146,7 @@ def test_quiet_watch_flags_a_busy_machine(monkeypatch):
 
     w = QuietWatch()
     q = w.stop()
-    assert q.wall_s >= 0 and q.other_cpu_s >= 0
+    assert q.wall_s >= 0 and q.other_cpu_s >= 0 and q.load_at_start >= 0
     busy = iter([100.0, 160.0])  # others used 60 CPU-seconds
     monkeypatch.setattr(m, "_busy_cpu_s", lambda: next(busy))
     monkeypatch.setattr(m, "_own_cpu_s", lambda: 0.0)

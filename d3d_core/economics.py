@@ -1,0 +1,119 @@
+"""The economics of one run, from its own spans: why a mode is faster or slower than ``ar``.
+
+Per output token, a drafting mode pays ``round / τ`` where a round is one verify plus whatever
+drafting the target had to wait for. ``ar`` pays one step per token. This module splits a run's
+measured decode time into three parts that add up to it exactly:
+
+- **verify**: the target's verify spans (for ``ar``: its steps);
+- **draft not hidden**: drafter time that did not overlap a target span (every draft of
+  ``dflash`` / ``d3d-seq``; for ``d3d-async`` only what ran outside verify, e.g. sync drafts);
+- **idle**: neither lane busy — acceptance, bookkeeping, Python, thread hand-offs.
+
+Divided by the committed tokens they give the measured time per token, so the panel agrees with
+tokens/s by construction. With the ``ar`` run of the same race as the yardstick (its mean step
+``T_step``), ``break_even_tau = round / ar_time_per_token`` is the τ at which this mode, with
+these round costs, would tie ``ar`` on this machine. Pure functions; no model access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .trace import Trace, busy_intervals, intersect_length
+
+
+@dataclass(frozen=True)
+class Economics:
+    mode: str
+    tau: float
+    rounds: int
+    tokens: int  # tokens committed by decode rounds (the first token comes from prefill)
+    decode_ms: float
+    per_token_ms: float  # measured: decode_ms / tokens
+    round_ms: float  # decode_ms / rounds
+    t_verify_ms: float  # mean verify span (for ar: a step)
+    t_draft_ms: Optional[float]  # mean draft span on the critical path (draft, sync_draft)
+    t_packed_ms: Optional[float]  # mean packed pass (d3d-async)
+    hit_rate: Optional[float]
+    verify_per_token_ms: float
+    draft_visible_per_token_ms: float
+    idle_per_token_ms: float
+    t_step_ms: Optional[float] = None  # the same race's ar step
+    ar_per_token_ms: Optional[float] = None
+    speedup: Optional[float] = None
+    break_even_tau: Optional[float] = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def round_steps(self) -> Optional[float]:
+        return self.round_ms / self.t_step_ms if self.t_step_ms else None
+
+    def sentence(self) -> str:
+        """One sentence: how fast this mode was against ar, and why."""
+        if self.mode == "ar" or self.rounds == 0:
+            return ""
+        if self.speedup is None or not self.t_step_ms:
+            return (f"{self.mode}: a round costs {self.round_ms:.0f} ms and commits τ = {self.tau:.2f} tokens "
+                    f"({self.per_token_ms:.0f} ms per token); run ar in the same race to compare.")
+        steps = lambda ms: ms / self.t_step_ms  # noqa: E731
+        parts = f"verify {steps(self.t_verify_ms):.2f}"
+        draft_round = self.draft_visible_per_token_ms * self.tokens / self.rounds
+        if draft_round > 0.05 * self.t_step_ms:
+            parts += f" + draft not hidden {steps(draft_round):.2f}"
+        idle_round = self.idle_per_token_ms * self.tokens / self.rounds
+        if idle_round > 0.05 * self.t_step_ms:
+            parts += f" + other {steps(idle_round):.2f}"
+        cost = f"a round costs {self.round_steps:.2f} ar steps ({parts})"
+        if self.speedup < 1:
+            return (f"{self.mode} is {self.speedup:.2f}× ar — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
+                    f"it would tie ar at τ = {self.break_even_tau:.2f}.")
+        return (f"{self.mode} is {self.speedup:.2f}× ar: {cost} and commits τ = {self.tau:.2f} tokens, "
+                f"above the break-even τ = {self.break_even_tau:.2f}.")
+
+
+def _mean(xs: list) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def economics(trace: Trace, ar: Optional[Trace] = None) -> Optional[Economics]:
+    """The economics of a finished trace (None while it runs or when it has no decode round);
+    ``ar``: the same race's ar trace, the yardstick for speedup and break-even τ."""
+    if trace is None or trace.stats is None or not trace.rounds:
+        return None
+    spans = [s for s in trace.spans if s.round >= 0]
+    tokens = sum(len(r.committed) for r in trace.rounds)
+    decode_ms = trace.stats.decode_time_s * 1e3
+    if tokens <= 0 or decode_ms <= 0:
+        return None
+    target = busy_intervals(spans, "target")
+    drafter = busy_intervals(spans, "drafter")
+    verify_ms = sum(e - s for s, e in target)
+    draft_visible = sum(e - s for s, e in drafter) - intersect_length(drafter, target)
+    idle = max(decode_ms - verify_ms - draft_visible, 0.0)
+    scale = decode_ms / (verify_ms + draft_visible + idle)  # 1 unless spans overrun the clock by rounding
+    kinds = lambda *k: [s.duration for s in spans if s.kind in k]  # noqa: E731
+    e = dict(
+        mode=trace.mode, tau=trace.stats.tau, rounds=len(trace.rounds), tokens=tokens, decode_ms=decode_ms,
+        per_token_ms=decode_ms / tokens, round_ms=decode_ms / len(trace.rounds),
+        t_verify_ms=_mean(kinds("verify")) or 0.0, t_draft_ms=_mean(kinds("draft", "sync_draft")),
+        t_packed_ms=_mean(kinds("packed_draft")), hit_rate=trace.stats.hit_rate,
+        verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
+        idle_per_token_ms=idle * scale / tokens,
+    )
+    yard = economics(ar) if ar is not None and ar is not trace and ar.mode == "ar" else None
+    if trace.mode == "ar":
+        yard = Economics(**e)
+    if yard is not None:
+        e.update(t_step_ms=yard.t_verify_ms, ar_per_token_ms=yard.per_token_ms,
+                 speedup=yard.per_token_ms / e["per_token_ms"], break_even_tau=e["round_ms"] / yard.per_token_ms)
+    return Economics(**e)
+
+
+def race_economics(traces: list) -> list:
+    """Economics of every finished trace of a race, ar first when present."""
+    ar = next((t for t in traces if t is not None and t.mode == "ar" and t.stats is not None), None)
+    out = [economics(t, ar) for t in traces if t is not None]
+    return [e for e in out if e is not None]
