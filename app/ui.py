@@ -325,8 +325,8 @@ def upload_traces(file, state):
         if not path or not os.path.isfile(path):
             raise ValueError("the uploaded file could not be read")
         size = os.path.getsize(path)
-        if size > 20_000_000:
-            raise ValueError(f"file is too large ({size:,} bytes, limit 20,000,000)")
+        if size > service.APP_LIMITS["upload_bytes_max"]:
+            raise ValueError(f"file is too large ({size:,} bytes, limit {service.APP_LIMITS['upload_bytes_max']:,})")
         with open(path, "rb") as f:
             data = f.read()
         if data.lstrip()[:15].lower().startswith(b"<!doctype html"):  # an exported race page

@@ -26,9 +26,9 @@ from . import fastops
 from .config import DecodeConfig
 from .machine import QuietWatch, machine_info
 from .peers import PEERS, run_peer
+from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
 from .trace import MODES
 
-SUMMARY_COLS = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap", "tokens"]
 
 
 def row_of(item, trace, ref_ids: Optional[list]) -> dict:
@@ -125,27 +125,6 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
                 avg[k] = _mean([s[k] for s in per])
             out.append(avg)
     return out
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.2f}"
-    return str(v)
-
-
-def table_text(summary: list, cols=SUMMARY_COLS) -> str:
-    cells = [[_fmt(s.get(c)) for c in cols] for s in summary]
-    w = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w[i]) for i, c in enumerate(cols))
-    body = ["  ".join(r[i].ljust(w[i]) for i in range(len(cols))) for r in cells]
-    return "\n".join([line, "  ".join("-" * x for x in w), *body])
-
-
-def table_markdown(summary: list, cols=SUMMARY_COLS) -> str:
-    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-    return head + "\n".join("| " + " | ".join(_fmt(s.get(c)) for c in cols) + " |" for s in summary) + "\n"
 
 
 def write_outputs(out: Path, result: dict) -> list:

@@ -8,9 +8,8 @@ from typing import Optional
 
 from .trace import MODES
 
-MAX_NEW_TOKENS = 512
-BLOCK_MIN, BLOCK_MAX = 2, 64  # the engine accepts up to 64; the app limits to 16
-MAX_HYPOTHESES = 32
+from .limits import BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
+
 SAMPLING_RULES = ("match", "rejection")
 
 
@@ -35,8 +34,8 @@ class DecodeConfig:
         _int_in(self.hypotheses, "hypotheses H", 1, MAX_HYPOTHESES)
         _int_in(self.seed, "seed", 0, 2**63 - 1)
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= 2:
-            raise ValueError(f"temperature must be a number in [0, 2], got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= TEMPERATURE_MAX:
+            raise ValueError(f"temperature must be a number in [0, {TEMPERATURE_MAX:g}], got {t!r}")
         if self.sampling not in SAMPLING_RULES:
             raise ValueError(f"sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling!r}")
         if self.threads is not None:

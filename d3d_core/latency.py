@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+from .tables import table_text
+
 
 @dataclass(frozen=True)
 class CostProfile:
@@ -293,7 +295,6 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"error: cannot read bench result {args.bench}: {e}", file=sys.stderr)
         return 2
-    from .bench import table_text
 
     print("MODEL-BASED projection (measured τ / hit rate, cost profiles from latency.PRESETS):")
     print(table_text(rows, cols=["profile", "mode", "B", "H", "tau", "hit_rate", "projected_speedup"]))

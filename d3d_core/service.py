@@ -16,7 +16,7 @@ from .config import DecodeConfig
 from .engine import iter_decode
 from .trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
 
-APP_LIMITS = dict(block_min=2, block_max=16, h_min=1, h_max=32, max_new_max=512, prompt_chars_max=4000)
+from .limits import APP_LIMITS  # noqa: E402
 
 
 def settings(mode="d3d-async", block_size=8, temperature=0.0, max_new_tokens=128, hypotheses=4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
-MAX_PROMPT_CHARS = 20_000
+from .limits import MAX_PROMPT_CHARS
 
 
 def clean_prompt(text) -> str:

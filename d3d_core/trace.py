@@ -18,13 +18,13 @@ SPAN_KINDS = ("prefill", "verify", "draft", "packed_draft", "sync_draft")
 MODES = ("ar", "dflash", "d3d-seq", "d3d-async")
 FINISH_REASONS = ("length", "eos", "cancelled", "context")
 
-# limits for untrusted traces (an honest 512-token, B=16, H=32 trace is far below these)
-MAX_TRACE_BYTES = 20_000_000
-MAX_ROUNDS = 5_000
-MAX_TOKENS = 50_000
-MAX_SPANS = 20_000
-MAX_HYPOTHESES = 64
-MAX_BLOCK = 65
+# limits for untrusted traces: d3d_core/limits.py
+from .limits import MAX_TRACE_BLOCK as MAX_BLOCK  # noqa: E402
+from .limits import MAX_TRACE_BYTES  # noqa: E402, F401
+from .limits import MAX_TRACE_HYPOTHESES as MAX_HYPOTHESES  # noqa: E402
+from .limits import MAX_TRACE_ROUNDS as MAX_ROUNDS  # noqa: E402
+from .limits import MAX_TRACE_SPANS as MAX_SPANS  # noqa: E402
+from .limits import MAX_TRACE_TOKENS as MAX_TOKENS  # noqa: E402
 
 
 class TraceError(ValueError):

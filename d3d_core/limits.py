@@ -1,0 +1,26 @@
+"""Every limit in one place: what the engine accepts, what the app offers, what an untrusted
+trace may hold. The engine (``config.DecodeConfig``, the tokenizer), the CLI and the app all read
+these names; nothing else writes a bound as a literal."""
+
+# ---- the engine (any caller: CLI, API, tests)
+MAX_NEW_TOKENS = 512
+BLOCK_MIN, BLOCK_MAX = 2, 64
+MAX_HYPOTHESES = 32
+MAX_PROMPT_CHARS = 20_000  # hard limit of the tokenizer wrapper
+TEMPERATURE_MAX = 2.0
+
+# ---- the app (a shared demo: smaller than the engine's)
+APP_BLOCK_MAX = 16
+APP_PROMPT_CHARS = 4_000
+APP_UPLOAD_BYTES = 20_000_000
+
+# ---- untrusted traces (an honest 512-token, B=16, H=32 trace is far below these)
+MAX_TRACE_BYTES = APP_UPLOAD_BYTES
+MAX_TRACE_ROUNDS = 5_000
+MAX_TRACE_TOKENS = 50_000
+MAX_TRACE_SPANS = 20_000
+MAX_TRACE_HYPOTHESES = 64
+MAX_TRACE_BLOCK = BLOCK_MAX + 1
+
+APP_LIMITS = dict(block_min=BLOCK_MIN, block_max=APP_BLOCK_MAX, h_min=1, h_max=MAX_HYPOTHESES,
+                  max_new_max=MAX_NEW_TOKENS, prompt_chars_max=APP_PROMPT_CHARS, upload_bytes_max=APP_UPLOAD_BYTES)
