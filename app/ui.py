@@ -21,10 +21,18 @@ from .export import race_html, traces_json_of
 from .spaces_gpu import maybe_gpu
 from .tokens import column_html, legend_html
 
+# Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, EPYC; docs/RESULTS.md):
+# the drafters were trained on the target's own answers to gsm8k-style questions, so step-by-step
+# arithmetic is where they shine; the chat prompt stays, labelled as the hard case.
 EXAMPLES = [
-    ["A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? Please reason step by step."],
-    ["Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples."],
-    ["What are three good habits for learning a new language? Answer briefly."],
+    ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? "
+     "Please reason step by step.", "math · τ ≈ 2.5"),
+    ("Tom has 5 boxes with 12 pencils in each box. He gives away 17 pencils. How many pencils does he have left? "
+     "Please reason step by step.", "math · τ ≈ 2.3"),
+    ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
+     "Please reason step by step.", "math · τ ≈ 1.8"),
+    ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.2"),
+    ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
@@ -365,12 +373,14 @@ def build_demo() -> gr.Blocks:
                 with gr.Row():
                     with gr.Column(scale=3):
                         prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
-                        gr.Examples(EXAMPLES, inputs=[prompt], label="Examples: math · code · chat")
+                        gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
+                                    label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=service.DEFAULT_BUNDLE, label="Bundle (target + drafters)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         with gr.Row():
-                            block = gr.Slider(lim["block_min"], lim["block_max"], value=8, step=1, label="Block size B")
+                            block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(service.DEFAULT_BUNDLE), step=1,
+                                              label="Block size B (the bundle's fastest measured B is the default)")
                             hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)")
                         with gr.Row():
                             max_new = gr.Slider(8, lim["max_new_max"], value=96, step=8, label="Max new tokens")
@@ -519,6 +529,7 @@ def build_demo() -> gr.Blocks:
             return prov, table, check, gr.update(choices=ds, value="all"), acc, sweep, cprov, costs, overlap
 
         bundle.change(on_bundle_bench, [bundle], [b_prov, b_table, b_check, b_ds, b_acc, b_sweep, b_cprov, b_costs, b_overlap], api_name=False)
+        bundle.change(lambda b: gr.update(value=service.default_block(b)), [bundle], [block], api_name=False, queue=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],
                     api_name=False, queue=False)
     demo.queue(max_size=16, default_concurrency_limit=2)

@@ -92,6 +92,7 @@ def bundle_summary(name: str) -> dict:
         "d3d_init_layers": list(d3d.cfg.init_layers),
         "d3d_default_skip": list(d3d.cfg.skip_layers),  # a shipped pruned default skips these
         "d3d_active_layers": len(d3d.active_layers()),
+        "block_size": BUNDLES[name].block_size if name in BUNDLES else 8,
         "engine": b.target.engine,
         "engine_note": b.target.fast_reason() or "fast CPU engine (prepacked oneDNN linears, static KV cache)",
         "drafters": dict(b.drafter_info),
@@ -184,6 +185,11 @@ def block_sweep_datasets(bundle_name: str) -> str:
 def bench_result(bundle_name: str) -> Optional[dict]:
     """The measured bench table shipped for the bundle (assets/bench/<bundle>.json), if any."""
     return _asset_json("bench", f"{bundle_name}.json")
+
+
+def default_block(bundle_name: str) -> int:
+    """The app's default block size for a bundle (without loading it)."""
+    return BUNDLES[bundle_name].block_size if bundle_name in BUNDLES else 8
 
 
 MEASURED_CLOCK = "measured here"
