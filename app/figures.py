@@ -145,7 +145,7 @@ def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure
                              hovertemplate="%{y}: " + label + " %{x:.1f} ms per token<extra></extra>"))
     text = []
     for e in ec:
-        t = f"{e.per_token_ms:.0f} ms/token · τ {e.tau:.2f}"
+        t = f"{e.per_token_ms:.{0 if e.per_token_ms >= 10 else 1}f} ms/token · τ {e.tau:.2f}"
         if e.mode != "ar" and e.break_even_tau is not None:
             t += f" · break-even τ {e.break_even_tau:.2f}"
         text.append(t)
@@ -161,13 +161,14 @@ def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure
     return fig
 
 
-def economics_table(traces: list) -> pd.DataFrame:
-    """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step)."""
-    cols = ["mode", "τ", "T_step", "T_verify(B)", "T_draft", "T_packed", "hit rate", "round", "round / τ (ms/token)",
-            "measured ms/token", "speedup", "break-even τ"]
+def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFrame:
+    """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step);
+    the clock column says whether the times were measured or projected under a profile."""
+    cols = ["clock", "mode", "τ", "T_step", "T_verify(B)", "T_draft", "T_packed", "hit rate", "round", "round / τ (ms/token)",
+            "ms/token (from spans)", "speedup", "break-even τ"]
     rows = []
     for e in race_economics(traces):
-        rows.append([e.mode, e.tau, e.t_step_ms, e.t_verify_ms, e.t_draft_ms, e.t_packed_ms, e.hit_rate, e.round_ms,
+        rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.t_verify_ms, e.t_draft_ms, e.t_packed_ms, e.hit_rate, e.round_ms,
                      e.round_ms / e.tau if e.tau else None, e.per_token_ms, e.speedup, e.break_even_tau])
     return pd.DataFrame(rows, columns=cols).round(2)
 

@@ -75,7 +75,7 @@ def _plots(state):
         figures.timeline_summary(timed),
         figures.acceptance_figure(trs),
         figures.economics_figure(timed, projected),
-        figures.economics_table(timed),
+        figures.economics_table(timed, projected),
     )
 
 
@@ -94,7 +94,7 @@ def set_clock(clock, state):
 
 def economics_sentences(state) -> str:
     """One sentence per drafting mode of the race: how fast it was against ar, and why."""
-    return " ".join(e.sentence() for e in race_economics(_traces(state)) if e.sentence())
+    return "\n".join(f"- {e.sentence()}" for e in race_economics(_traces(state)) if e.sentence())
 
 
 def _rounds_view(state, mode, idx):
@@ -395,7 +395,7 @@ def build_demo() -> gr.Blocks:
                     replay_btn = gr.Button("↻ Replay side by side (real time)", elem_id="replay")
                     export_btn = gr.Button("⬇ Export race as HTML", elem_id="export")
                 export_file = gr.File(label="Race as one HTML file (opens offline; the Traces tab can load it back)", interactive=False,
-                                      elem_id="export-file")
+                                      elem_id="export-file", height=90)
                 gr.HTML(legend_html())
                 with gr.Row(equal_height=False):
                     cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]
@@ -423,7 +423,7 @@ def build_demo() -> gr.Blocks:
                             "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                             "time per token. *Break-even τ* is the τ at which the mode, with these round costs, would tie `ar` here.")
                 econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
-                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs this run paid (ms)", interactive=False)
+                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)", interactive=False)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
                 gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE), service.block_sweep_datasets(service.DEFAULT_BUNDLE)),
@@ -465,11 +465,12 @@ def build_demo() -> gr.Blocks:
                             "not measurements; each cost profile states its source and assumptions.")
                 with gr.Row():
                     pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")
-                    pj_B = gr.Slider(2, 16, value=16, step=1, label="Block size B")
+                    m_tau, m_hit, m_B = service.measured_point(service.DEFAULT_BUNDLE)
+                    pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
                     pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
                 with gr.Row():
-                    pj_tau = gr.Slider(1.0, 16.0, value=6.0, step=0.1, label="τ (acceptance length)")
-                    pj_hit = gr.Slider(0.0, 1.0, value=0.7, step=0.05, label="hit rate (d3d-async)")
+                    pj_tau = gr.Slider(1.0, 16.0, value=m_tau, step=0.01, label="τ (acceptance length; starts at the bench's measured gsm8k τ)")
+                    pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label="hit rate (d3d-async; starts at the measured one)")
                 with gr.Row():
                     pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
                     pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")

@@ -175,6 +175,17 @@ def block_sweep(bundle_name: str) -> Optional[dict]:
     return d.get("sweep") if d else None
 
 
+def measured_point(bundle_name: str) -> tuple:
+    """(τ, hit rate, B) of d3d-async on gsm8k in the shipped bench — where the projection sliders
+    start, so a projection begins from what this bundle's drafter really achieves."""
+    res = bench_result(bundle_name) or {}
+    row = next((s for s in res.get("summary") or [] if s.get("mode") == "d3d-async" and s.get("dataset") == "gsm8k"), None)
+    B = int(((res.get("config") or {}).get("decode") or {}).get("block_size") or 8)
+    if not row:
+        return 2.0, 0.3, B
+    return round(float(row["tau"]), 2), round(float(row.get("hit_rate") or 0.0), 2), B
+
+
 def block_sweep_datasets(bundle_name: str) -> str:
     """Which datasets the shipped block-size sweep ran on (for its title)."""
     d = _asset_json("bench", f"{bundle_name}-block-sweep.json") or {}
@@ -238,7 +249,7 @@ def provenance(result: Optional[dict]) -> str:
     """One line saying where and how a shipped measurement was taken, with the quietness warning."""
     if not result:
         return ""
-    m = result.get("machine") or result.get("machine_info") or {}
+    m = result.get("machine_info") or result.get("machine") or {}
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
     line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}** ({m.get('torch_threads', '?')} threads"

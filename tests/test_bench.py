@@ -21,8 +21,12 @@ def test_bench_command_on_toy(tmp_path, capsys):
     ])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert set(res) >= {"config", "machine", "rows", "summary"}
-    assert len(res["rows"]) == 2 * 2 * 4
+    assert set(res) >= {"config", "machine", "rows", "summary", "quiet", "engine"}
+    assert len(res["rows"]) == 2 * 2 * (4 + 2)  # four modes and the two peers on every prompt
+    assert res["engine"]["target"] == "fast" and res["machine"]["cpu"]
+    assert set(res["quiet"]) >= {"load_at_start", "other_cpu_s", "other_cores", "noisy", "warning"}
+    peers = [r for r in res["rows"] if r["mode"].startswith("hf-")]
+    assert len(peers) == 8 and all(r["lossless"] is True and r["tau"] is None for r in peers)
     need = {"mode", "dataset", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"}
     for s in res["summary"]:
         assert need <= set(s)
@@ -85,7 +89,7 @@ def test_block_size_sweep_and_histograms(tmp_path):
     out = tmp_path / "s.json"
     assert bench.main(["--bundle", "toy", "--modes", "ar,d3d-seq,d3d-async", "--data-dir", str(FIX), "--datasets", "gsm8k",
                        "--n", "2", "--max-new-tokens", "16", "--block-size", "4", "--block-sizes", "2,8", "--out", str(out),
-                       "--no-progress"]) == 0
+                       "--no-progress", "--peers", "none"]) == 0
     res = json.loads(out.read_text())
     assert set(res["sweep"]) == {"d3d-seq", "d3d-async"}
     assert set(res["sweep"]["d3d-seq"]) == {"2", "4", "8"}
@@ -112,7 +116,7 @@ def test_torchrun_two_processes_equal_one_process(tmp_path):
     import sys
 
     args = ["--bundle", "toy", "--modes", "ar,dflash,d3d-async", "--data-dir", str(FIX), "--datasets", "gsm8k,mt_bench", "-n", "3",
-            "--max-new-tokens", "20", "--block-size", "4", "--no-progress"]
+            "--max-new-tokens", "20", "--block-size", "4", "--no-progress", "--peers", "none"]
     one = tmp_path / "one.json"
     two = tmp_path / "two.json"
     assert bench.main(args + ["--out", str(one)]) == 0

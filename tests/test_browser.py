@@ -86,15 +86,15 @@ def test_clock_and_export(server, page, tmp_path):
     race as one HTML file, and open that file in the browser with no server."""
     page.get_by_role("tab", name="Timeline").click()
     page.wait_for_timeout(500)
-    title = lambda: page.locator(".js-plotly-plot:visible .gtitle").first.inner_text()  # noqa: E731
+    title = lambda: page.locator(".js-plotly-plot:visible .gtitle").first.text_content()  # noqa: E731 (SVG text)
     assert "PROJECTED" not in title()
-    page.locator("#clock").get_by_text("qwen3-8b on H200 (derived)").click()
+    page.locator("#clock").get_by_text("qwen3-8b on H200 (derived)", exact=True).click()
     page.wait_for_function("() => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
     assert "PROJECTED" in title()
     _shot(page, "3b-timeline-projected")
-    page.locator("#clock").get_by_text("measured here").click()
+    page.locator("#clock").get_by_text("measured here", exact=True).click()
     page.wait_for_function("() => ![...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
-    page.get_by_role("tab", name="Race").click()
+    page.get_by_role("tab", name="Race", exact=True).click()
     page.locator("#export").click()
     link = page.locator("#export-file a").first
     link.wait_for(timeout=60_000)
