@@ -269,7 +269,7 @@ def project_bench(result: dict, profiles: Optional[dict] = None, B: Optional[int
     out = []
     for name, p in profiles.items():
         for s in rows:
-            if s["mode"] == "ar":
+            if s["mode"] == "ar" or s.get("tau") is None:  # ar is the yardstick; peers have no τ to project
                 continue
             q = async_profile(p) if (s["mode"] == "d3d-async" and p.measured) else p
             out.append({"profile": name, "mode": s["mode"], "B": B, "H": H, "tau": s["tau"], "hit_rate": s.get("hit_rate"),

@@ -112,3 +112,13 @@ def test_project_bench_uses_measured_tau_per_profile():
     p = PRESETS["qwen3-8b on H200 (derived)"]
     rows = project_bench(res, {"h200": p})
     assert len(rows) == 1 and rows[0]["projected_speedup"] == pytest.approx(speedup(p, "d3d-seq", 8, 3.0))
+
+
+def test_projection_skips_peers_without_tau():
+    from d3d_core.latency import project_bench
+
+    res = {"config": {"decode": {"block_size": 8, "hypotheses": 4}},
+           "summary": [{"dataset": "gsm8k", "mode": "ar", "tau": 1.0}, {"dataset": "gsm8k", "mode": "d3d-seq", "tau": 2.0},
+                       {"dataset": "gsm8k", "mode": "hf-generate", "tau": None}]}
+    rows = project_bench(res)
+    assert rows and {r["mode"] for r in rows} == {"d3d-seq"}
