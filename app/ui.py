@@ -395,7 +395,7 @@ def build_demo() -> gr.Blocks:
                     replay_btn = gr.Button("↻ Replay side by side (real time)", elem_id="replay")
                     export_btn = gr.Button("⬇ Export race as HTML", elem_id="export")
                 export_file = gr.File(label="Race as one HTML file (opens offline; the Traces tab can load it back)", interactive=False,
-                                      elem_id="export-file", height=90)
+                                      elem_id="export-file", visible=False)
                 gr.HTML(legend_html())
                 with gr.Row(equal_height=False):
                     cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]
@@ -515,7 +515,8 @@ def build_demo() -> gr.Blocks:
         p_layers.input(measure_pruned, [bundle, p_layers, state], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
         bundle.change(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
-        export_btn.click(export_race, [state], [export_file], api_name="export_html")
+        export_btn.click(export_race, [state], [export_file], api_name="export_html").then(
+            lambda: gr.update(visible=True), None, [export_file], api_name=False, queue=False)
         clock.change(set_clock, [clock, state], [tl_plot, tl_summary, econ_plot, econ_table, clock_src, state], api_name="clock")
         up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, state, r_idx],
                        api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False)
