@@ -341,7 +341,7 @@ def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.Dat
     r = trace.rounds[index]
     rows = [{
         cols[0]: h.accepted, cols[1]: pieces.get(h.token, str(h.token)), cols[2]: round(h.score, 4),
-        cols[3]: " · ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "",
+        cols[3]: " | ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "✗ miss",
     } for h in r.hypotheses]
     return pd.DataFrame(rows, columns=cols)
 

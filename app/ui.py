@@ -110,8 +110,12 @@ def _rounds_view(state, mode, idx):
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
-    if r.hit is not None:
+    if r.hit is not None and idx == n - 1:
+        cap += " · last round: the decode ended here, so no next block was needed"
+    elif r.hit is not None:
         cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
+        if r.hit and r.accepted == 0:
+            cap += " — a hit with a = 0: no draft was accepted, but the hypothesis (0, bonus) guessed the target's token, so the next block was still ready"
     return fig, figures.hypotheses_table(tr, idx, state["pieces"]), cap
 
 
@@ -388,7 +392,9 @@ def build_demo() -> gr.Blocks:
                         with gr.Row():
                             sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
                             seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
-                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab")
+                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
+                                                 info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
+                                                      "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -417,7 +423,10 @@ def build_demo() -> gr.Blocks:
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
-                tl_summary = gr.Dataframe(figures.timeline_summary([]), label="Overlap and idle time", interactive=False)
+                tl_summary = gr.Dataframe(figures.timeline_summary([]), interactive=False,
+                                          label="Overlap and idle time — overlap share: the part of the drafter's busy time that ran while the "
+                                                "target verified (hidden work); target idle: time the target waited (for drafts, a miss's sync "
+                                                "draft, bookkeeping) — a high overlap share can sit beside idle time when the packed pass outlasts verify")
                 gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
                             "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
                             "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
