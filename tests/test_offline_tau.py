@@ -24,9 +24,45 @@ def test_offline_drafts_equal_decode_drafts(toy, mode):
 
 
 def test_offline_tau_counts_leading_matches(toy):
+    """The value, computed independently: at every anchor a fresh drafter cache holds the committed
+    context, the engine's own d3d_draft drafts the block, and leading matches + 1 are averaged."""
+    from d3d_core.engine import d3d_draft, d3d_prefill
+    from d3d_core.offline_tau import anchors_for
+
     seqs = greedy_continuations(toy, ["hello", "tell me a story"], 40)
-    tau = offline_tau(toy.drafter("d3d"), seqs, B=4, stride=2)
-    assert 1.0 <= tau <= 4.0
+    d, B = toy.drafter("d3d"), 4
+    tau = offline_tau(d, seqs, B=B, stride=2)
+    scores = []
+    for s in seqs:
+        for p in anchors_for(s, B, 2):
+            cache = d.new_cache()
+            d3d_prefill(d, cache, s.ids[:p])
+            draft = d3d_draft(d, cache, [], s.ids[p], DecodeConfig(block_size=B), None).ids
+            lead = 0
+            while lead < B - 1 and draft[lead] == s.ids[p + 1 + lead]:
+                lead += 1
+            scores.append(lead + 1)
+    assert len(scores) > 20
+    assert tau == pytest.approx(sum(scores) / len(scores), abs=1e-9)
+
+
+def test_offline_tau_on_sequences_built_to_accept_k_drafts(toy):
+    """One anchor per sequence whose continuation agrees with the drafter's own block for exactly
+    k tokens (k = 0 … B-1): offline τ must be the mean of k + 1, i.e. 2.5 for B = 4."""
+    from d3d_core.engine import d3d_draft, d3d_prefill
+
+    d, B = toy.drafter("d3d"), 4
+    prompt, anchor = toy.tokenizer.encode_prompt("count: 1, 2, 3"), 7
+    cache = d.new_cache()
+    d3d_prefill(d, cache, prompt)
+    draft = d3d_draft(d, cache, [], anchor, DecodeConfig(block_size=B), None).ids  # d_1..d_{B-1}
+    seqs = []
+    for k in range(B):
+        wrong = [] if k == B - 1 else [next(t for t in range(3, 40) if t != draft[k])]
+        resp = [anchor] + draft[:k] + wrong
+        resp += [5] * (B - len(resp))  # exactly B tokens: the anchor is the only one with B-1 tokens after it
+        seqs.append(CalibSeq(prompt, resp))
+    assert offline_tau(d, seqs, B=B, stride=1) == pytest.approx(2.5, abs=1e-9)
     with pytest.raises(ValueError, match="no usable anchors"):
         offline_tau(toy.drafter("d3d"), [CalibSeq([1, 2], [3])], B=4)
 

@@ -60,11 +60,18 @@ def test_resume_continues_exactly(toy, examples, tmp_path):
     assert part["stopped_at"] == 10 and not (tmp_path / "resumed" / "final").exists()
     assert part["history"][-1]["step"] == 10  # the τ it reports is measured where it stopped
     resumed = train(toy, examples, cfg, tmp_path / "resumed", progress=False)  # picks up at step 10
-    a = load_drafter(tmp_path / "full" / "final", toy.target.shared, toy.target.arch)
-    b = load_drafter(tmp_path / "resumed" / "final", toy.target.shared, toy.target.arch)
-    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.allclose(p, q, atol=2e-3), n
-    assert abs(full["offline_tau"] - resumed["offline_tau"]) < 0.2
+    from safetensors.torch import load_file
+
+    # the fp32 checkpoints (what resuming reads) are bit-identical, and so is the τ measured at the end
+    a = load_file(str(tmp_path / "full" / "ckpt" / "drafter.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "ckpt" / "drafter.safetensors"))
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    for f in ("optimizer.safetensors",):
+        oa, ob = load_file(str(tmp_path / "full" / "ckpt" / f)), load_file(str(tmp_path / "resumed" / "ckpt" / f))
+        assert all(torch.equal(oa[k], ob[k]) for k in oa), f
+    assert full["offline_tau"] == resumed["offline_tau"]
 
 
 def test_dflash_feature_cache_gives_the_same_loss(toy, examples):
