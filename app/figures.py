@@ -354,11 +354,11 @@ def _heal_label(h: dict) -> str:
     return f"healed, held-out ({h['steps']} fine-tune steps{kd})"
 
 
-def _ci_bars(points: list, ref: Optional[float], color: str) -> Optional[dict]:
+def _ci_bars(points: list, ref: Optional[float], color: str, thickness: float = 1.5, width: int = 5) -> Optional[dict]:
     """Asymmetric error bars (in τ) from each point's held-out interval of τ / ref."""
     if not ref or not all("tau_eval_rel_ci" in p for p in points):
         return None
-    return dict(type="data", symmetric=False, color=color, thickness=1.5, width=5,
+    return dict(type="data", symmetric=False, color=color, thickness=thickness, width=width,
                 array=[(p["tau_eval_rel_ci"][1] - p["tau_eval_rel"]) * ref for p in points],
                 arrayminus=[(p["tau_eval_rel"] - p["tau_eval_rel_ci"][0]) * ref for p in points])
 
@@ -399,8 +399,9 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
         hs = [p["healed"] for p in healed]
         fig.add_trace(go.Scatter(
             x=[p["removed"] for p in healed], y=[h.get("tau_eval", h["tau"]) for h in hs],
-            mode="markers", name=_heal_label(hs[0]), error_y=_ci_bars(hs, ref_eval, ORANGE),
-            marker=dict(size=12, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
+            # a short interval: thick, wide bars and a smaller diamond keep it visible around the marker
+            mode="markers", name=_heal_label(hs[0]), error_y=_ci_bars(hs, ref_eval, "black", thickness=2.5, width=12),
+            marker=dict(size=9, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
             customdata=[[h.get("tau_eval_rel", h["tau_rel"]), _ci_text(h)] for h in hs],
             hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata[0]:.1%} of " + ref + "%{customdata[1]})<extra></extra>",
         ))
