@@ -105,22 +105,26 @@ def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases:
     return wp, b
 
 
+def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None) -> torch.Tensor:
+    """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
+    chose the fast engine already checked :func:`enabled`)."""
+    wp, b = _packed(owner, key, weights, biases, prep)
+    return torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+
+
 def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)``, through the prepacked kernel when the fast path applies."""
     if not _usable(x, mod.weight):
         return mod(x)
-    wp, b = _packed(mod, "w", [mod.weight], [mod.bias])
-    return torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+    return packed_linear(mod, "w", [mod.weight], [mod.bias], x)
 
 
-def fused_linear(owner: nn.Module, key: str, mods: Sequence[nn.Linear], x: torch.Tensor, prep=None) -> list:
+def fused_linear(owner: nn.Module, key: str, mods: Sequence[nn.Linear], x: torch.Tensor) -> list:
     """``[m(x) for m in mods]`` as one GEMM over the row-concatenated weights (fast path), or the
-    separate linears (fallback). Returns one output per module. ``prep`` (see ``_packed``) must
-    only be given where the caller also handles the fallback's different layout."""
+    separate linears (fallback). Returns one output per module."""
     if not _usable(x, mods[0].weight):
         return [m(x) for m in mods]
-    wp, b = _packed(owner, key, [m.weight for m in mods], [m.bias for m in mods], prep)
-    y = torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+    y = packed_linear(owner, key, [m.weight for m in mods], [m.bias for m in mods], x)
     return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
 
 
@@ -128,12 +132,4 @@ def rows_linear(owner: nn.Module, key: str, weight: torch.Tensor, x: torch.Tenso
     """``x @ weight.T`` for a weight that is not an nn.Linear (e.g. LM-head shortlist rows)."""
     if not _usable(x, weight):
         return x @ weight.T
-    wp, _ = _packed(owner, key, [weight], [None])
-    return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
-
-
-def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None) -> torch.Tensor:
-    """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
-    chose the fast engine already checked :func:`enabled`)."""
-    wp, b = _packed(owner, key, weights, biases, prep)
-    return torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+    return packed_linear(owner, key, [weight], [None], x)

@@ -42,7 +42,6 @@ class StaticKV:
     two methods of HF's cache that ``Target`` uses (``get_seq_length``, ``crop``)."""
 
     def __init__(self, n_layers: int, nkv: int, hd: int, dtype, device, capacity: int = 512):
-        self.shape = (nkv, hd)
         self.k = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
@@ -159,6 +158,9 @@ class Target:
             half = self.arch.head_dim // 2
             self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (P, hd/2)
             self._perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
+            # Qwen3's per-head q / k norm weights, in the same interleaved order (None for Llama)
+            self._qk_norm = [None if getattr(l.self_attn, "q_norm", None) is None else
+                             (l.self_attn.q_norm.weight[self._perm], l.self_attn.k_norm.weight[self._perm]) for l in self.layers]
 
     def _prep_qkv(self, w, b):
         """Interleave the rotary halves of every q and k head's rows (v rows unchanged)."""
@@ -203,9 +205,10 @@ class Target:
         qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                     [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv)
         qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
-            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), attn.q_norm.weight[self._perm], attn.q_norm.variance_epsilon),
-                            F.rms_norm(qk[:, nh:], (hd,), attn.k_norm.weight[self._perm], attn.k_norm.variance_epsilon)], 1)
+        if self._qk_norm[i] is not None:  # Qwen3: per-head RMSNorm before RoPE
+            qw, kw = self._qk_norm[i]
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qw, attn.q_norm.variance_epsilon),
+                            F.rms_norm(qk[:, nh:], (hd,), kw, attn.k_norm.variance_epsilon)], 1)
         qk = torch.view_as_real(torch.view_as_complex(qk.reshape(n, nh + nkv, hd // 2, 2)) * rot).reshape(n, nh + nkv, hd)
         cache.k[i][:, T : T + n] = qk[:, nh:].transpose(0, 1)
         cache.v[i][:, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
