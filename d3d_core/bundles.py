@@ -144,15 +144,13 @@ def _load(name: str, device: str) -> Bundle:
             d = init_drafter(kind, target, spec).to(device)
             info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
         drafters[kind] = d
-    bundle = Bundle(name, target, tok, drafters, info, spec.description)
-    warm_up(bundle)
-    return bundle
+    return Bundle(name, target, tok, drafters, info, spec.description)
 
 
 def warm_up(bundle: Bundle) -> float:
     """Run every mode once on a few tokens, so that one-time work (the fast engine packs each weight on
-    its first use, allocators grow) is paid at load time and never inside a race's timed decode.
-    Returns the seconds it took."""
+    its first use, allocators grow) is paid before a timed decode, never inside one. The app calls it
+    before a bundle's first race; the bench warms up the same way. Returns the seconds it took."""
     t = time.perf_counter()
     ids = list(range(3, 3 + min(8, bundle.target.arch.vocab_size - 3)))
     for mode in MODES:
