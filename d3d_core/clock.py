@@ -19,24 +19,8 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from .latency import CostProfile, async_profile
+from .latency import CostProfile, async_costs, async_profile, draft_ms
 from .trace import Span, Trace
-
-
-def _draft_ms(p: CostProfile, mode: str, B: int) -> float:
-    return p.at(p.t_draft_dflash_ms if mode == "dflash" else p.t_draft_d3d_ms, B)
-
-
-def _async_costs(p: CostProfile, B: int, H: int) -> tuple:
-    """(verify, packed) ms of one async round under the profile's contention factors."""
-    v = p.at(p.t_verify_ms, B)
-    packed = p.at(p.t_packed_ms, H) * (B / p.packed_block)
-    slow = p.extra.get("contention")
-    if slow:
-        c = {int(h): x for h, x in slow.items()}
-        v *= p.at({h: x["verify"] for h, x in c.items()}, H)
-        packed *= p.at({h: x["packed"] for h, x in c.items()}, H)
-    return v, packed
 
 
 def retime(trace: Trace, profile: CostProfile) -> Trace:
@@ -49,7 +33,7 @@ def retime(trace: Trace, profile: CostProfile) -> Trace:
     step = p.t_step_ms
     spans = [Span("target", "prefill", -1, 0.0, step)]
     if mode in ("d3d-seq", "d3d-async"):
-        spans.append(Span("drafter", "prefill", -1, 0.0, _draft_ms(p, mode, max(B, 2))))
+        spans.append(Span("drafter", "prefill", -1, 0.0, draft_ms(p, mode, max(B, 2))))
     t = max(s.t_end for s in spans) if mode == "d3d-seq" else step
     t_decode0 = t
     prev_hit = False
@@ -61,11 +45,11 @@ def retime(trace: Trace, profile: CostProfile) -> Trace:
             continue
         if mode != "d3d-async" or not prev_hit:
             kind = "sync_draft" if (mode == "d3d-async" and i > 0) else "draft"
-            d = _draft_ms(p, mode, B)
+            d = draft_ms(p, mode, B)
             spans.append(Span("drafter", kind, i, t, t + d))
             t += d
         if mode == "d3d-async":
-            v, pk = _async_costs(p, B, H)
+            v, pk = async_costs(p, B, H)
             spans += [Span("target", "verify", i, t, t + v), Span("drafter", "packed_draft", i, t, t + pk)]
             t += max(v, pk)
             prev_hit = bool(r.hit)

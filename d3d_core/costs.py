@@ -24,6 +24,38 @@ from .engine import d3d_draft, d3d_packed, d3d_prefill, dflash_draft
 from .timing import cpu_threads
 
 
+def _prefilled(target, ctx_len: int, g: torch.Generator) -> tuple:
+    """A random context of ``ctx_len`` tokens (no special ids), prefilled: (ctx, verifier) where
+    ``verifier(B)`` returns a function that verifies a random block of B and rolls it back."""
+    V = target.arch.vocab_size
+    lo = min(100, V // 4)  # skip special tokens (toy vocabularies are small)
+    ctx = torch.randint(lo, V - 1, (ctx_len,), generator=g)
+    cache = target.new_cache()
+    target.prefill(cache, ctx)
+
+    def verifier(B: int):
+        blk = torch.randint(lo, V - 1, (B,), generator=g)
+
+        def verify():
+            target.verify(cache, blk)
+            target.rollback(cache, B)
+        return verify
+
+    return ctx, verifier
+
+
+def _drafters_at(bundle, ctx: torch.Tensor, g: torch.Generator) -> tuple:
+    """(d3d, its cache, dflash, its cache) with the context ``ctx`` already in both caches (random
+    target features stand in for the DFlash drafter's: its cost does not depend on their values)."""
+    d3d, dfl = bundle.drafter("d3d"), bundle.drafter("dflash")
+    dcache = d3d.new_cache()
+    d3d_prefill(d3d, dcache, ctx.tolist())
+    fcache = dfl.new_cache()
+    feats = torch.randn(1, ctx.shape[0], len(dfl.cfg.target_layer_ids) * bundle.target.arch.hidden_size, generator=g)
+    dfl.extend_context(fcache, feats.to(device=dfl.device, dtype=dfl.dtype))
+    return d3d, dcache, dfl, fcache
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     ts = []
@@ -39,33 +71,19 @@ def _median_ms(fn, repeats: int) -> float:
 @torch.inference_mode()
 def probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8), ctx_len: int = 300, repeats: int = 7, B_packed: int = 8) -> dict:
     target = bundle.target
-    V = target.arch.vocab_size
     g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, V - 1, (ctx_len,), generator=g)
-    cache = target.new_cache()
-    target.prefill(cache, ctx)
+    ctx, verifier = _prefilled(target, ctx_len, g)
     all_threads = torch.get_num_threads()
     res = {"ctx_len": ctx_len, "repeats": repeats, "threads": all_threads, "verify_ms": {}, "verify_1thread_ms": {}}
 
-    def verify(B):
-        blk = torch.randint(100, V - 1, (B,), generator=g)
-        target.verify(cache, blk)
-        target.rollback(cache, B)
-
     for B in block_sizes:
-        res["verify_ms"][B] = _median_ms(lambda: verify(B), repeats)
+        res["verify_ms"][B] = _median_ms(verifier(B), repeats)
     with cpu_threads(1):
         for B in block_sizes:
-            res["verify_1thread_ms"][B] = _median_ms(lambda: verify(B), repeats)
+            res["verify_1thread_ms"][B] = _median_ms(verifier(B), repeats)
     res["step_ms"] = res["verify_ms"].get(1)
 
-    d3d = bundle.drafter("d3d")
-    dfl = bundle.drafter("dflash")
-    dcache = d3d.new_cache()
-    d3d_prefill(d3d, dcache, ctx.tolist())
-    fcache = dfl.new_cache()
-    feats = torch.randn(1, ctx_len, len(dfl.cfg.target_layer_ids) * target.arch.hidden_size, generator=g).to(device=dfl.device, dtype=dfl.dtype)
-    dfl.extend_context(fcache, feats)
+    d3d, dcache, dfl, fcache = _drafters_at(bundle, ctx, g)
     res["d3d_draft_ms"], res["dflash_draft_ms"], res["packed_ms"] = {}, {}, {}
     for B in [b for b in block_sizes if b >= 2]:
         cfg = DecodeConfig(block_size=B)
@@ -78,7 +96,7 @@ def probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8), c
             cfg = DecodeConfig(block_size=B_packed, hypotheses=H)
             res["packed_ms"][H] = _median_ms(lambda: d3d_packed(d3d, dcache, 5, draft, cfg, g), repeats)
         g_lane = torch.Generator().manual_seed(1)  # the lane never shares a generator with the main thread
-        res["concurrent_ms"] = {H: _concurrent_ms(lambda: verify(B_packed),
+        res["concurrent_ms"] = {H: _concurrent_ms(verifier(B_packed),
                                                   lambda H=H: d3d_packed(d3d, dcache, 5, draft, DecodeConfig(block_size=B_packed, hypotheses=H), g_lane),
                                                   repeats) for H in hypotheses}
     res["packed_block_size"] = B_packed
@@ -197,32 +215,15 @@ def breakdown(bundle, ctx_len: int = 300, block_sizes=(2, 4, 8, 16), hypotheses=
     arch, L = target.arch, target.num_layers
     V = arch.vocab_size
     g = torch.Generator().manual_seed(0)
-    lo = min(100, V // 4)  # skip special tokens (toy vocabularies are small)
-    ctx = torch.randint(lo, V - 1, (ctx_len,), generator=g)
-    cache = target.new_cache()
     t0 = time.perf_counter()
-    target.prefill(cache, ctx)  # in a fresh process this includes packing the weights once
+    ctx, verifier = _prefilled(target, ctx_len, g)  # in a fresh process this includes packing the weights once
     first_ms = (time.perf_counter() - t0) * 1e3
-    d3d, dfl = bundle.drafter("d3d"), bundle.drafter("dflash")
-    dcache = d3d.new_cache()
-    d3d_prefill(d3d, dcache, ctx.tolist())
-    fcache = dfl.new_cache()
-    feats = torch.randn(1, ctx_len, len(dfl.cfg.target_layer_ids) * arch.hidden_size, generator=g).to(dfl.device, dfl.dtype)
-    dfl.extend_context(fcache, feats)
+    d3d, dcache, dfl, fcache = _drafters_at(bundle, ctx, g)
     cfg = DecodeConfig(block_size=B_draft)
     draft = d3d_draft(d3d, dcache, [], 5, cfg, g)
     head_k = lambda d: len(d.cfg.vocab_shortlist) or V  # noqa: E731
-
-    def verify(B):
-        blk = torch.randint(lo, V - 1, (B,), generator=g)
-
-        def f():
-            target.verify(cache, blk)
-            target.rollback(cache, B)
-        return f
-
-    forwards = [("step", 1, verify(1), work_of(arch, 1, L, 1, V, ctx_len))]
-    forwards += [(f"verify({B})", B, verify(B), work_of(arch, B, L, B, V, ctx_len)) for B in block_sizes]
+    forwards = [("step", 1, verifier(1), work_of(arch, 1, L, 1, V, ctx_len))]
+    forwards += [(f"verify({B})", B, verifier(B), work_of(arch, B, L, B, V, ctx_len)) for B in block_sizes]
     nd = len(d3d.active_layers())
     forwards.append((f"d3d draft({B_draft})", B_draft, lambda: d3d_draft(d3d, dcache, [], 5, cfg, g),
                      work_of(arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len)))
@@ -263,18 +264,9 @@ def overlap_crossover(bundle, depths=(8, 16, 30), B: int = 8, H: int = 1, ctx_le
     from .bundles import BUNDLES, init_drafter
 
     target = bundle.target
-    V = target.arch.vocab_size
     g = torch.Generator().manual_seed(0)
-    lo = min(100, V // 4)
-    ctx = torch.randint(lo, V - 1, (ctx_len,), generator=g)
-    cache = target.new_cache()
-    target.prefill(cache, ctx)
-    blk = torch.randint(lo, V - 1, (B,), generator=g)
-
-    def verify():
-        target.verify(cache, blk)
-        target.rollback(cache, B)
-
+    ctx, verifier = _prefilled(target, ctx_len, g)
+    verify = verifier(B)
     cfg = DecodeConfig(block_size=B, hypotheses=H)
     spec = BUNDLES.get(bundle.name, BUNDLES["toy"])
     rows = []

@@ -71,23 +71,32 @@ class CostProfile:
         return asdict(self)
 
 
+def draft_ms(p: CostProfile, mode: str, B: int) -> float:
+    """One draft of a block of B by the mode's drafter (ms)."""
+    return p.at(p.t_draft_dflash_ms if mode == "dflash" else p.t_draft_d3d_ms, B)
+
+
+def async_costs(p: CostProfile, B: int, H: int) -> tuple:
+    """(verify, packed pass) ms of one d3d-async round, each slowed by the profile's contention
+    factors (run together, both lanes are slower than alone)."""
+    v = p.at(p.t_verify_ms, B)
+    packed = p.at(p.t_packed_ms, H) * (B / p.packed_block)  # the packed pass grows with the block
+    slow = p.extra.get("contention")  # {H: {"verify": x, "packed": y}}
+    if slow:
+        c = {int(h): x for h, x in slow.items()}
+        v *= p.at({h: x["verify"] for h, x in c.items()}, H)
+        packed *= p.at({h: x["packed"] for h, x in c.items()}, H)
+    return v, packed
+
+
 def round_ms(p: CostProfile, mode: str, B: int, hit_rate: float = 0.0, H: int = 4) -> float:
     """Expected time of one round (ms)."""
     if mode == "ar":
         return p.t_step_ms
-    v = p.at(p.t_verify_ms, B)
-    if mode == "dflash":
-        return p.at(p.t_draft_dflash_ms, B) + v
-    if mode == "d3d-seq":
-        return p.at(p.t_draft_d3d_ms, B) + v
+    if mode in ("dflash", "d3d-seq"):
+        return draft_ms(p, mode, B) + p.at(p.t_verify_ms, B)
     if mode == "d3d-async":
-        packed = p.at(p.t_packed_ms, H) * (B / p.packed_block)  # the packed pass grows with the block
-        slow = p.extra.get("contention")  # {H: {"verify": x, "packed": y}}: run together, each is slower
-        if slow:
-            c = {int(h): x for h, x in slow.items()}
-            v *= p.at({h: x["verify"] for h, x in c.items()}, H)
-            packed *= p.at({h: x["packed"] for h, x in c.items()}, H)
-        return max(v, packed) + (1.0 - hit_rate) * p.at(p.t_draft_d3d_ms, B)
+        return max(async_costs(p, B, H)) + (1.0 - hit_rate) * draft_ms(p, mode, B)
     raise ValueError(f"unknown mode {mode!r}")
 
 
