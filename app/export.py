@@ -14,7 +14,7 @@ from d3d_core.economics import race_economics
 from d3d_core.trace import MODES, traces_to_json
 
 from . import figures
-from .tokens import column_html, legend_html
+from .tokens import ar_time_per_token, column_html, legend_html
 
 PAGE_CSS = """
 <style>
@@ -34,8 +34,7 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
         raise ValueError("nothing to export yet: run a race first")
     by_mode = {t.mode: t for t in traces}
     econ = {e.mode: e for e in race_economics(traces)}
-    ar = by_mode.get("ar")
-    tpt = 1.0 / ar.stats.tokens_per_s if ar is not None and ar.stats and ar.stats.tokens_per_s > 0 else None
+    tpt = ar_time_per_token(traces)
     cols = "".join(column_html(by_mode.get(m), pieces, m, ar_time_per_token=tpt, econ=econ.get(m)) for m in MODES if m in by_mode)
     first = traces[0]
     cfg = first.config or {}

@@ -46,6 +46,14 @@ def legend_html() -> str:
     )
 
 
+def ar_time_per_token(traces) -> Optional[float]:
+    """Seconds per token of the finished ar trace among ``traces`` (the speedup counters' yardstick), or None."""
+    ar = next((t for t in traces if t is not None and t.mode == "ar"), None)
+    if ar is None or not ar.finish_reason or ar.stats.tokens_per_s <= 0:
+        return None
+    return 1.0 / ar.stats.tokens_per_s
+
+
 def _tok(text: str, cls: str, tip: str) -> str:
     t = html.escape(text).replace("\n", "⏎<br>")
     return f'<span class="tok {cls}" title="{html.escape(tip)}">{t}</span>'

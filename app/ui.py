@@ -19,7 +19,7 @@ from d3d_core.trace import MODES
 from . import explain, figures
 from .export import race_html, traces_json_of
 from .spaces_gpu import maybe_gpu
-from .tokens import column_html, legend_html
+from .tokens import ar_time_per_token, column_html, legend_html
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, EPYC; docs/RESULTS.md):
 # the drafters were trained on the target's own answers to gsm8k-style questions, so step-by-step
@@ -45,16 +45,10 @@ def _traces(state) -> list:
     return [state["traces"].get(m) for m in MODES if state["traces"].get(m) is not None]
 
 
-def _ar_tpt(state):
-    ar = state["traces"].get("ar")
-    if ar is None or not ar.finish_reason or ar.stats.tokens_per_s <= 0:
-        return None
-    return 1.0 / ar.stats.tokens_per_s
-
-
 def _columns(state, running_mode=None) -> list:
-    tpt = _ar_tpt(state)
-    econ = {e.mode: e for e in race_economics(_traces(state))}
+    trs = _traces(state)
+    tpt = ar_time_per_token(trs)
+    econ = {e.mode: e for e in race_economics(trs)}
     return [
         column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m == running_mode),
                     econ=econ.get(m) if m != running_mode else None)
@@ -204,8 +198,7 @@ def replay_race(state):
         return
     by_mode = {t.mode: t for t in trs}
     end = max((s.t_end for t in trs for s in t.spans), default=0.0)
-    ar = by_mode.get("ar")
-    tpt = 1.0 / ar.stats.tokens_per_s if ar is not None and ar.stats.tokens_per_s > 0 else None
+    tpt = ar_time_per_token(trs)
     # a projected clock can be far faster than real time: stretch it to last at least 4 s on screen
     slow = max(1.0, 4000.0 / end) if projected and end > 0 else 1.0
     clock = f"PROJECTED under “{projected}”, slowed {slow:.0f}× to watch" if projected else "real speed"

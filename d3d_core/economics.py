@@ -81,6 +81,25 @@ def _mean(xs: list) -> Optional[float]:
 def economics(trace: Trace, ar: Optional[Trace] = None) -> Optional[Economics]:
     """The economics of a finished trace (None while it runs or when it has no decode round);
     ``ar``: the same race's ar trace, the yardstick for speedup and break-even τ."""
+    yard = _measure(ar) if ar is not None and ar is not trace and ar.mode == "ar" else None
+    return _against(trace, yard)
+
+
+def _against(trace: Trace, yard: Optional[dict]) -> Optional[Economics]:
+    """``trace``'s economics with ``yard`` (ar's own measurement) as the yardstick; ar is its own."""
+    e = _measure(trace)
+    if e is None:
+        return None
+    if trace.mode == "ar":
+        yard = e
+    if yard is not None:
+        e.update(t_step_ms=yard["t_verify_ms"], ar_per_token_ms=yard["per_token_ms"],
+                 speedup=yard["per_token_ms"] / e["per_token_ms"], break_even_tau=e["round_ms"] / yard["per_token_ms"])
+    return Economics(**e)
+
+
+def _measure(trace: Optional[Trace]) -> Optional[dict]:
+    """The fields a trace's own spans give (no yardstick), or None."""
     if trace is None or trace.stats is None or not trace.rounds:
         return None
     spans = [s for s in trace.spans if s.round >= 0]
@@ -103,17 +122,12 @@ def economics(trace: Trace, ar: Optional[Trace] = None) -> Optional[Economics]:
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
         idle_per_token_ms=idle * scale / tokens,
     )
-    yard = economics(ar) if ar is not None and ar is not trace and ar.mode == "ar" else None
-    if trace.mode == "ar":
-        yard = Economics(**e)
-    if yard is not None:
-        e.update(t_step_ms=yard.t_verify_ms, ar_per_token_ms=yard.per_token_ms,
-                 speedup=yard.per_token_ms / e["per_token_ms"], break_even_tau=e["round_ms"] / yard.per_token_ms)
-    return Economics(**e)
+    return e
 
 
 def race_economics(traces: list) -> list:
-    """Economics of every finished trace of a race, ar first when present."""
+    """Economics of every finished trace of a race, ar (measured once) as everyone's yardstick."""
     ar = next((t for t in traces if t is not None and t.mode == "ar" and t.stats is not None), None)
-    out = [economics(t, ar) for t in traces if t is not None]
+    yard = _measure(ar)
+    out = [_against(t, yard) for t in traces if t is not None]
     return [e for e in out if e is not None]

@@ -92,9 +92,8 @@ def bundle_summary(name: str) -> dict:
         "d3d_init_layers": list(d3d.cfg.init_layers),
         "d3d_default_skip": list(d3d.cfg.skip_layers),  # a shipped pruned default skips these
         "d3d_active_layers": len(d3d.active_layers()),
-        "block_size": BUNDLES[name].block_size if name in BUNDLES else 8,
+        "block_size": default_block(name),
         "engine": b.target.engine,
-        "engine_note": b.target.fast_reason() or "fast CPU engine (prepacked oneDNN linears, static KV cache)",
         "drafters": dict(b.drafter_info),
     }
 
