@@ -30,7 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from .drafters import D3DDrafter, DFlashDrafter
+from .losses import HeadLoss, block_position_weights, block_targets, weighted_mean
 from .offline_tau import CalibSeq, dflash_anchor_logits, offline_tau, target_features
+from .softlabels import SoftLabelCache, soft_rows
+from .softlabels import cache_root as softlabel_root
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     gamma: float = 4.0  # block-position weight decay w_k = exp(-(k-1)/γ)
     ar_lambda: float = 0.5  # λ: weight of the context stream's next-token loss (D3D)
-    ar_positions: int = 64  # context positions per sequence that get the AR loss (LM head is costly)
-    anchors: int = 16  # blocks per sequence per step
+    ar_positions: int = 64  # context positions per sequence that get the AR loss; 0 = all of them
+    head_shortlist: int = 0  # 0 = full LM head in the loss; N = the N most frequent response tokens + a sampled "other" bucket
+    other_samples: int = 512  # rows sampled to estimate the other bucket's log-partition (losses.HeadLoss)
+    soft_k: int = 0  # top-k soft labels from the target (cached, softlabels.py); 0 = hard labels only
+    soft_alpha: float = 0.5  # weight of the soft-label cross-entropy in the block term
+    anchors: int = 16  # blocks per sequence per step; 0 = dense: every response position
     max_len: int = 384  # prompt + response tokens kept per sequence
     accum: int = 2  # sequences per optimizer step
     seed: int = 0
@@ -86,55 +93,81 @@ def to_seq(e: dict, max_len: int) -> CalibSeq:
     return CalibSeq(p, r)
 
 
-def block_weights(B: int, n: int, gamma: float) -> torch.Tensor:
-    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)  # k = 1..n -> exp(-(k-1)/γ)
-
-
 def sample_anchors(seq: CalibSeq, n: int, rng: random.Random) -> list:
+    """n random anchors in the response; n <= 0: dense, every response position."""
     P, T = len(seq.prompt_ids), len(seq.ids)
     cand = list(range(P, T - 1))  # the anchor must have at least one token after it
-    if not cand:
-        return []
+    if not cand or n <= 0:
+        return cand
     return sorted(rng.sample(cand, min(n, len(cand))))
+
+
+def head_shortlist(examples: list, n: int) -> list:
+    """The n most frequent response tokens of the training examples (ties by id): the exact rows
+    of the training head (``losses.HeadLoss``); rarer labels join per batch."""
+    from collections import Counter
+
+    c = Counter(t for e in examples for t in e["response_ids"])
+    return sorted(t for t, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:n])
 
 
 def weighted_block_ce(logits: torch.Tensor, ids: list, anchors: list, gamma: float) -> torch.Tensor:
     """logits (nb, n, V): row k-1 of block b predicts ids[p_b + k]. Cross-entropy weighted
     w_k = exp(-(k-1)/γ), positions past the end of the sequence ignored."""
-    T, n = len(ids), logits.shape[1]
-    tgt = torch.full((len(anchors), n), -100, dtype=torch.long)
-    for b, p in enumerate(anchors):
-        for k in range(1, n + 1):
-            if p + k < T:
-                tgt[b, k - 1] = ids[p + k]
-    w = block_weights(n, n, gamma)[None].expand(len(anchors), n)
+    tgt = block_targets(ids, anchors, logits.shape[1])
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1).to(logits.device), reduction="none", ignore_index=-100)
-    wf = w.reshape(-1) * (tgt.reshape(-1) != -100).float()
-    return (ce.cpu() * wf).sum() / wf.sum().clamp(min=1e-6)
+    return weighted_mean(ce, block_position_weights(tgt, gamma).reshape(-1))
 
 
 def weighted_block_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, ids: list, anchors: list, gamma: float) -> torch.Tensor:
     """KL(teacher ‖ drafter) per block position, weighted like the CE (w_k, past-the-end ignored).
     Soft labels from the unpruned drafter carry what it learned about the target beyond the one
     greedy token — the usual way to heal a pruned network on little data."""
-    T, n = len(ids), logits.shape[1]
-    valid = torch.tensor([[p + k < T for k in range(1, n + 1)] for p in anchors], dtype=torch.float32)
-    w = block_weights(n, n, gamma)[None] * valid  # (nb, n)
+    w = block_position_weights(block_targets(ids, anchors, logits.shape[1]), gamma)  # (nb, n)
     kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1), log_target=True, reduction="none").sum(-1)
-    return (kl.cpu() * w).sum() / w.sum().clamp(min=1e-6)
+    return weighted_mean(kl, w)
 
 
-def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random, teacher=None):
-    """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context;
+def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, head: HeadLoss,
+                    topk=None, generator=None) -> tuple:
+    """One packed forward over the context and every block. Returns (h_ctx (T, H), block logits or
+    None, Σ w·CE, Σ w, Σ w·soft CE or None) — sums, not means, so a dense pass over many anchors
+    equals the sum of one pass per anchor (tested)."""
+    ids = seq.ids
+    B = cfg.block_size
+    ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
+    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
+    hb = hb[:, 1:]  # (nb, B, H): predicts p+1 .. p+B
+    tgt = block_targets(ids, anchors, B)  # (nb, B)
+    w = block_position_weights(tgt, cfg.gamma).reshape(-1)
+    soft = None
+    if topk is not None:
+        pos = torch.tensor([[p + k if p + k < len(ids) else -1 for k in range(1, B + 1)] for p in anchors]).reshape(-1)
+        soft = soft_rows(topk, pos)
+    hard, soft_ce = head(drafter, hb.reshape(-1, hb.shape[-1]), tgt.reshape(-1), soft, generator)
+    ws = (hard.float().cpu() * w).sum()
+    soft_sum = None if soft_ce is None else (soft_ce.float().cpu() * w).sum()
+    return h_ctx, hb, ws, w.sum(), soft_sum
+
+
+def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random, teacher=None,
+             head: HeadLoss | None = None, topk=None):
+    """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context.
+    ``head``: the LM-head loss (default: full head); ``topk``: the target's soft labels for this
+    sequence (``softlabels``), mixed into the block term with weight ``cfg.soft_alpha``;
     with a ``teacher`` and ``cfg.kd_alpha`` = α the block term is (1-α)·CE + α·KL(teacher ‖ drafter)."""
     ids = seq.ids
     T, B = len(ids), cfg.block_size
-    ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
-    blocks = [(ids[p], p) for p in anchors]
-    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, blocks, B + 1)
-    logits = drafter.logits(hb[:, 1:]).float()  # (nb, B, V): predicts p+1 .. p+B
-    block = weighted_block_ce(logits, ids, anchors, cfg.gamma)
+    head = head or HeadLoss(drafter.cfg.arch.vocab_size)
+    gen = torch.Generator().manual_seed(rng.getrandbits(62))
+    h_ctx, hb, ce_sum, w_sum, soft_sum = d3d_block_terms(drafter, seq, anchors, cfg, head, topk, gen)
+    block = ce_sum / w_sum.clamp(min=1e-6)
+    if soft_sum is not None and cfg.soft_alpha > 0:
+        block = (1 - cfg.soft_alpha) * block + cfg.soft_alpha * soft_sum / w_sum.clamp(min=1e-6)
     if teacher is not None and cfg.kd_alpha > 0:
+        ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
+        blocks = [(ids[p], p) for p in anchors]
+        logits = drafter.logits(hb).float()
         with torch.no_grad():
             t_logits = teacher.logits(teacher.forward_packed(teacher.new_cache(), ctx, blocks, B + 1)[1][:, 1:]).float()
         block = (1 - cfg.kd_alpha) * block + cfg.kd_alpha * weighted_block_kl(logits, t_logits, ids, anchors, cfg.gamma)
@@ -142,10 +175,11 @@ def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig
     if cfg.ar_lambda > 0:
         P = len(seq.prompt_ids)
         pos = list(range(max(0, P - 1), T - 1))
-        pos = sorted(rng.sample(pos, min(cfg.ar_positions, len(pos))))
+        if cfg.ar_positions > 0:
+            pos = sorted(rng.sample(pos, min(cfg.ar_positions, len(pos))))
         if pos:
-            lg = drafter.logits(h_ctx[pos]).float()
-            ar = F.cross_entropy(lg, torch.tensor([ids[t + 1] for t in pos], device=lg.device)).cpu()
+            ce, _ = head(drafter, h_ctx[pos], torch.tensor([ids[t + 1] for t in pos]), None, gen)
+            ar = ce.float().cpu().mean()
     return block + cfg.ar_lambda * ar, float(block.detach()), float(ar.detach())
 
 
@@ -172,7 +206,7 @@ def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cf
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, history: list) -> None:
+def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, history: list, extra: dict | None = None) -> None:
     """Drafter (fp32 for resuming) + AdamW moments, all safetensors; state in JSON. Atomic."""
     from safetensors.torch import save_file
 
@@ -192,6 +226,7 @@ def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, histor
     save_file(moments, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
         "step": step, "train": asdict(cfg), "drafter": drafter.cfg.to_json(), "adam_steps": steps, "history": history,
+        **(extra or {}),
     }, indent=1))
     final = out / "ckpt"
     if final.exists():
@@ -202,11 +237,12 @@ def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, histor
 
 
 def load_checkpoint(out: Path, drafter, opt) -> tuple:
+    """(step, history, state): state is the whole state.json ({} when there is no checkpoint)."""
     from safetensors.torch import load_file
 
     d = out / "ckpt"
     if not (d / "state.json").is_file():
-        return 0, []
+        return 0, [], {}
     st = json.loads((d / "state.json").read_text())
     drafter.load_state_dict(load_file(str(d / "drafter.safetensors")))
     moments = load_file(str(d / "optimizer.safetensors"))
@@ -214,7 +250,7 @@ def load_checkpoint(out: Path, drafter, opt) -> tuple:
     for n, s in st["adam_steps"].items():
         p = params[n]
         opt.state[p] = {"step": torch.tensor(s), "exp_avg": moments[f"{n}.exp_avg"], "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
-    return st["step"], st.get("history", [])
+    return st["step"], st.get("history", []), st
 
 
 # ----------------------------------------------------------------------------- loop
@@ -263,8 +299,11 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     for p in drafter.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start, history = load_checkpoint(out, drafter, opt)
+    start, history, state = load_checkpoint(out, drafter, opt)
     train_ex, held = split_holdout(examples, cfg.max_len, cfg.holdout_pct)
+    head_rows = state.get("head_rows") or (head_shortlist(train_ex, cfg.head_shortlist) if cfg.head_shortlist else None)
+    head = HeadLoss(drafter.cfg.arch.vocab_size, head_rows, cfg.other_samples)
+    soft = SoftLabelCache(softlabel_root(bundle.name), bundle.target, cfg.soft_k) if cfg.soft_k > 0 else None
     held = held[: cfg.eval_seqs]
     if not train_ex:
         raise ValueError("no training examples (run python -m d3d_core.distill first)")
@@ -281,8 +320,9 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     if start == 0:
         history.append({"step": 0, "offline_tau": evaluate(), "tokens_seen": 0})
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     tokens_seen = history[-1].get("tokens_seen", 0) if history else 0
+    cpu_base = history[-1].get("cpu_s", 0.0) if history else 0.0  # CPU seconds of earlier runs of this schedule
     loss_ema = None
     feat_cache: dict = {}  # DFlash: target features per sequence (see dflash_loss)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -299,7 +339,8 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             if not anchors:
                 continue
             if cfg.kind == "d3d":
-                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher)
+                topk = soft.get(ex["id"], seq.ids) if soft is not None else None
+                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk)
             else:
                 loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg, feat_cache, ex["id"])
             (loss / cfg.accum).backward()
@@ -319,11 +360,12 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
                 if len(fresh) > len(train_ex):
                     train_ex = fresh
             history.append({"step": done, "offline_tau": evaluate(), "loss": loss_ema, "tokens_seen": tokens_seen,
-                            "elapsed_s": time.time() - t0, "train_examples": len(train_ex)})
+                            "elapsed_s": time.time() - t0, "cpu_s": round(cpu_base + time.process_time() - cpu0, 1),
+                            "train_examples": len(train_ex)})
             if log:
                 log(history[-1])
         if done % cfg.ckpt_every == 0 or done == cfg.steps or done == end:
-            save_checkpoint(out, drafter, opt, done, cfg, history)
+            save_checkpoint(out, drafter, opt, done, cfg, history, {"head_rows": head_rows})
     bar.close()
     if end < cfg.steps:  # stopped early on purpose: the checkpoint is the result so far
         return {"offline_tau": history[-1]["offline_tau"], "history": history, "out": str(out / "ckpt"), "stopped_at": end}

@@ -1,0 +1,159 @@
+"""Training-recipe levers, compared at equal CPU time on held-out prompts.
+
+    python -m d3d_core.levers cost --threads 1                 # ms per training sequence, per recipe
+    python -m d3d_core.levers run --minutes 10 --threads 1     # equal-time runs + paired held-out τ
+
+``cost`` times one forward + backward of the D3D loss per recipe on the same training sequences
+and counts the supervised positions, so "signal per FLOP" is a number, not a hope. ``run`` trains one
+drafter per recipe from the same target-initialised start for the same wall time (steps = budget /
+measured step time, so every recipe completes its own learning-rate schedule), then scores each on
+held-out benchmark continuations (``prune.held_out_set``) with a paired bootstrap interval against the
+``base`` recipe (the shipped one). Runs checkpoint under ``$D3D_CACHE/levers/<recipe>`` and the plan is
+kept beside them, so rerunning the same command resumes; results go to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from .bundles import BUNDLES, cache_dir, get_bundle, init_drafter
+from .distill import distill_dir, read_examples
+from .losses import HeadLoss
+from .offline_tau import offline_tau, paired_ratio_ci
+from .prune import held_out_set
+from .softlabels import SoftLabelCache
+from .softlabels import cache_root as softlabel_root
+from .train import TrainConfig, d3d_loss, head_shortlist, sample_anchors, split_holdout, to_seq, train
+
+RECIPES = {
+    "base": dict(anchors=16, ar_positions=64),  # the shipped recipe
+    "dense": dict(anchors=0, ar_positions=0),
+    "dense-short": dict(anchors=0, ar_positions=0, head_shortlist=8192),
+    "dense-short-soft": dict(anchors=0, ar_positions=0, head_shortlist=8192, soft_k=32),
+}
+
+
+def recipe_config(name: str, **over) -> TrainConfig:
+    return replace(TrainConfig(kind="d3d", layers=8, block_size=8), **RECIPES[name], **over)
+
+
+def step_cost(bundle, examples: list, cfg: TrainConfig, n_seqs: int = 4, seed: int = 0) -> dict:
+    """Mean wall ms of forward + backward of the D3D loss over the same n training sequences,
+    and the supervised positions (block + context) each one trains."""
+    drafter = init_drafter("d3d", bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size).train()
+    train_ex, _ = split_holdout(examples, cfg.max_len)
+    picked = random.Random(seed).sample(train_ex, n_seqs)
+    head = HeadLoss(drafter.cfg.arch.vocab_size, head_shortlist(train_ex, cfg.head_shortlist) if cfg.head_shortlist else None,
+                    cfg.other_samples)
+    soft = SoftLabelCache(softlabel_root(bundle.name), bundle.target, cfg.soft_k) if cfg.soft_k else None
+    times, positions = [], []
+    for i, e in enumerate(picked):
+        s = to_seq(e, cfg.max_len)
+        anchors = sample_anchors(s, cfg.anchors, random.Random(i))
+        topk = soft.get(e["id"], s.ids) if soft else None  # cached before timing
+        for rep in range(2):  # the first pass warms the allocator and oneDNN
+            t0 = time.perf_counter()
+            loss, _, _ = d3d_loss(drafter, s, anchors, cfg, random.Random(i), head=head, topk=topk)
+            loss.backward()
+            drafter.zero_grad(set_to_none=True)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        ctx = len(s.ids) - len(s.prompt_ids) if cfg.ar_positions <= 0 else min(cfg.ar_positions, len(s.response_ids))
+        positions.append(len(anchors) * cfg.block_size + ctx)
+    ms = 1000 * sum(times) / len(times)
+    pos = sum(positions) / len(positions)
+    return {"ms_per_seq": round(ms, 1), "supervised_per_seq": round(pos, 1), "positions_per_s": round(1000 * pos / ms, 1)}
+
+
+def _plan_path() -> Path:
+    return cache_dir() / "levers" / "plan.json"
+
+
+def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_tokens: int, data_dir, out_json: Path) -> dict:
+    plan_f = _plan_path()
+    plan = json.loads(plan_f.read_text()) if plan_f.is_file() else {}
+    seqs, _ = held_out_set(bundle, data_dir, eval_n, eval_tokens)
+    results = {}
+    for name in names:
+        key = f"{name}@{minutes}"
+        if key not in plan:
+            c = step_cost(bundle, examples, recipe_config(name))
+            steps = max(10, int(minutes * 60 * 1000 / (c["ms_per_seq"] * TrainConfig.accum)))
+            plan[key] = {"steps": steps, "cost": c}
+            plan_f.parent.mkdir(parents=True, exist_ok=True)
+            plan_f.write_text(json.dumps(plan, indent=1))
+        steps = plan[key]["steps"]
+        cfg = recipe_config(name, steps=steps, warmup=max(1, steps // 10), eval_every=steps, eval_seqs=8, ckpt_every=10)
+        out = cache_dir() / "levers" / key
+        t0 = time.process_time()
+        res = train(bundle, examples, cfg, out, progress=False)
+        from .drafters import load_drafter
+
+        d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch).eval()
+        tau, per = offline_tau(d, seqs, B=8, stride=4, per_seq=True)
+        results[name] = {"steps": cfg.steps, "cost": plan[key]["cost"], "held_out_tau": round(tau, 4), "per_seq": per,
+                         "cpu_s_this_run": round(time.process_time() - t0, 1), "history": res["history"],
+                         "train_config": asdict(cfg)}
+        print(json.dumps({"recipe": name, "steps": cfg.steps, "held_out_tau": round(tau, 4)}), file=sys.stderr)
+    if "base" in results:
+        for name, r in results.items():
+            if name != "base":
+                r["ratio_vs_base"] = round(r["held_out_tau"] / results["base"]["held_out_tau"], 4)
+                r["ratio_ci95"] = [round(x, 4) for x in paired_ratio_ci(r["per_seq"], results["base"]["per_seq"])]
+    doc = {"minutes_per_recipe": minutes, "threads": torch.get_num_threads(), "held_out": f"{eval_n} benchmark continuations × {eval_tokens} tokens",
+           "train_examples": len(split_holdout(examples, TrainConfig.max_len)[0]),
+           "train_tokens": sum(len(e["response_ids"]) for e in examples), "results": results}
+    from .machine import machine_info
+
+    doc["machine"] = machine_info()
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.levers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["cost", "run"])
+    ap.add_argument("--bundle", default="smollm2-135m")
+    ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
+    ap.add_argument("--data-dir", default=None, help="benchmark datasets (held-out prompts)")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--minutes", type=float, default=10.0, help="wall minutes of training per recipe")
+    ap.add_argument("--eval-n", type=int, default=16)
+    ap.add_argument("--eval-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default="docs/levers.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    bad = [n for n in names if n not in RECIPES]
+    if bad:
+        print(f"error: unknown recipe(s) {bad}; choose from {sorted(RECIPES)}", file=sys.stderr)
+        return 2
+    bundle = get_bundle(args.bundle)
+    examples = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    if len(examples) < 8:
+        print("error: too little self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
+        return 2
+    if args.what == "cost":
+        rows = {n: step_cost(bundle, examples, recipe_config(n)) for n in names}
+        print(json.dumps({"threads": torch.get_num_threads(), "recipes": rows}, indent=1))
+        return 0
+    doc = run(bundle, examples, args.minutes, names, args.eval_n, args.eval_tokens, args.data_dir, Path(args.json))
+    for n, r in doc["results"].items():
+        print(f"{n:18s} steps {r['steps']:5d}  held-out τ {r['held_out_tau']:.3f}  {r.get('ratio_vs_base', 1.0):.3f}× base "
+              f"{r.get('ratio_ci95', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
