@@ -6,17 +6,17 @@ process and shared read-only."""
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 
 import gradio as gr
 
 from d3d_core import service
+from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
 from d3d_core.economics import race_economics
 from d3d_core.trace import MODES
 
-from . import explain, figures
+from . import explain, figures, health
 from .export import race_html, traces_json_of
 from .spaces_gpu import maybe_gpu
 from .tokens import ar_time_per_token, column_html, legend_html
@@ -128,41 +128,54 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
     except ValueError as e:
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *[no] * 4, state, *[no] * 7)
+        yield (f"**Error:** {e}", *[no] * 4, state)
         return
     cancel = threading.Event()
     state.update(bundle=bundle, traces={}, pieces={}, cancel=cancel)
     yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
-           *_columns(state), state, *[no] * 7)
+           *_columns(state), state)
     try:
         info = service.bundle_summary(bundle)
     except (FileNotFoundError, ValueError, OSError) as e:
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *[no] * 4, state, *[no] * 7)
+        yield (f"**Error:** {e}", *[no] * 4, state)
         return
     skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
     note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
     last = 0.0
+    started = time.perf_counter()
+    timed_out = finished = False
     gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel)
     try:
         for mode, tr, done in gen:
             state["traces"][mode] = tr
             now = time.perf_counter()
+            if now - started > APP_RACE_SECONDS and not cancel.is_set():
+                timed_out = True  # a shared server: nobody holds the decode lane for long
+                cancel.set()
             if done or now - last >= STREAM_EVERY_S:
                 last = now
                 state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
                 yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …", *_columns(state, None if done else mode),
-                       state, *[no] * 7)
+                       state)
     except ValueError as e:
+        health.count("failed")
         gr.Warning(str(e))
-        yield (f"**Error:** {e}", *_columns(state), state, *[no] * 7)
+        yield (f"**Error:** {e}", *_columns(state), state)
         return
+        finished = True
     finally:
+        if not finished:  # the visitor left mid-race (Gradio closed this generator): free the lane now
+            cancel.set()
         gen.close()
     state["cancel"] = None
     ran = [m for m in MODES if m in state["traces"]]
     stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
+    health.count("stopped" if stopped else "races")
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
+    if timed_out:
+        status += (f" · stopped at this server's time limit ({APP_RACE_SECONDS} s per race, so that the queue keeps moving); "
+                   "fewer modes or fewer new tokens fit inside it")
     untrained = [k for k, v in info["drafters"].items() if str(v).startswith("untrained")]
     if untrained and any(m != "ar" for m in ran):
         status += (f" · note: the {' and '.join(untrained)} drafter(s) of this bundle are untrained (initialised from "
@@ -171,10 +184,19 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     why = economics_sentences(state)
     if why and not stopped:
         status += "\n\n" + why
+    yield (status, *_columns(state), state)
+
+
+def race_views(state):
+    """The plots and the Rounds tab's controls for the race in ``state`` — a chained event after the
+    race, so the streaming event never sends a no-change update to a plot (Gradio builds a new
+    component per such update and kept one per race: +0.7 MiB a race, found by the soak)."""
+    state = state or empty_state()
     tl, summ, acc, econ_fig, econ_tab = _plots(state)
-    pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else None)
-    yield (status, *_columns(state), state, tl, summ, acc, econ_fig, econ_tab,
-           gr.update(choices=ran, value=pick), gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)))
+    ran = [m for m in MODES if m in state["traces"]]
+    pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else "d3d-async")
+    return (tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran or list(MODES), value=pick),
+            gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)))
 
 
 def _nrounds(state, mode):
@@ -299,8 +321,7 @@ def download_traces(state):
     trs = _traces(state or {})
     if not trs:
         raise gr.Error("Nothing to download yet: run a race first.")
-    d = tempfile.mkdtemp(prefix="d3d-traces-")
-    path = os.path.join(d, f"d3d-traces-{int(time.time())}.json")
+    path = health.temp_path("d3d-traces-", ".json")
     with open(path, "w", encoding="utf-8") as f:
         f.write(service.traces_json(trs))
     return path
@@ -313,8 +334,7 @@ def export_race(state):
         page = race_html(_traces(state), state.get("pieces") or {})
     except ValueError as e:
         raise gr.Error(str(e)) from None
-    d = tempfile.mkdtemp(prefix="d3d-race-")
-    path = os.path.join(d, f"d3d-race-{int(time.time())}.html")
+    path = health.temp_path("d3d-race-", ".html")
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
     return path
@@ -356,8 +376,9 @@ def upload_traces(file, state):
 
 def build_demo() -> gr.Blocks:
     lim = service.APP_LIMITS
-    with gr.Blocks(title="D3D Studio") as demo:
-        state = gr.State(empty_state())
+    # delete_cache: Gradio's copies of served files (downloads, exports, uploads) go once past the app's temp-file age
+    with gr.Blocks(title="D3D Studio", delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
+        state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
         gr.Markdown(
             "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
             "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
@@ -500,12 +521,20 @@ def build_demo() -> gr.Blocks:
                 up_file = gr.File(label="Upload a trace JSON (or an exported race HTML)", file_types=[".json", ".html"], type="filepath")
                 up_msg = gr.Markdown()
 
-        race_outputs = [status, *cols, state, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
+        health_md = gr.Markdown(elem_id="health")
+        health_json = gr.JSON(visible=False)
+        race_outputs = [status, *cols, state]
+        view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
             maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )
+        run_ev = run_ev.then(race_views, [state], view_outputs, api_name="race_views")
         run_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
+        run_ev.then(lambda: health.line(health.snapshot(demo)), None, [health_md], api_name=False, queue=False)
+        # outside the queue, so it answers while the queue is full
+        gr.Button("health", visible=False).click(lambda: health.snapshot(demo), None, [health_json], api_name="health", queue=False)
+        demo.load(lambda: health.line(health.snapshot(demo)), None, [health_md], api_name=False, queue=False)
         stop_btn.click(stop_race, [state], [status], api_name="stop", queue=False)
         replay_btn.click(replay_race, [state], [status, *cols], api_name="replay", concurrency_limit=4)
         r_mode.change(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name="rounds")
@@ -536,5 +565,5 @@ def build_demo() -> gr.Blocks:
         bundle.change(lambda b: gr.update(value=service.default_block(b)), [bundle], [block], api_name=False, queue=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],
                     api_name=False, queue=False)
-    demo.queue(max_size=16, default_concurrency_limit=2)
+    demo.queue(max_size=APP_QUEUE_MAX, default_concurrency_limit=APP_CONCURRENCY)
     return demo

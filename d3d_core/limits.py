@@ -2,6 +2,8 @@
 trace may hold. The engine (``config.DecodeConfig``, the tokenizer), the CLI and the app all read
 these names; nothing else writes a bound as a literal."""
 
+import os
+
 # ---- the engine (any caller: CLI, API, tests)
 MAX_NEW_TOKENS = 512
 BLOCK_MIN, BLOCK_MAX = 2, 64
@@ -13,6 +15,12 @@ TEMPERATURE_MAX = 2.0
 APP_BLOCK_MAX = 16
 APP_PROMPT_CHARS = 4_000
 APP_UPLOAD_BYTES = 20_000_000
+APP_QUEUE_MAX = 16  # events waiting in the queue; one more gets "Queue is full … try again" at once
+APP_CONCURRENCY = 2  # events running at once (decodes share one lane, see app/ui.py)
+APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
+APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
+# trace downloads / race exports (the app's and Gradio's copies) older than this are deleted
+APP_TEMP_MAX_AGE_S = max(10, int(os.environ.get("D3D_TEMP_MAX_AGE_S", "900")))
 
 # ---- untrusted traces (an honest 512-token, B=16, H=32 trace is far below these)
 MAX_TRACE_BYTES = APP_UPLOAD_BYTES

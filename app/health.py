@@ -1,0 +1,104 @@
+"""Server health for whoever hosts the app: uptime, races served, queue length, memory, threads,
+open files and the app's temporary files. ``snapshot()`` is what the ``/health`` API endpoint returns
+and what the page footer shows; the soak command (``python -m app.soak``) polls it.
+
+Temporary files the app writes for visitors (trace downloads, race exports) live in one directory
+per process, ``temp_path()``; files older than ``limits.APP_TEMP_MAX_AGE_S`` are removed whenever a
+new one is written, so their number stays bounded however long the server runs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from d3d_core.limits import APP_TEMP_MAX_AGE_S
+
+STARTED = time.time()
+_LOCK = threading.Lock()
+_COUNTS = {"races": 0, "stopped": 0, "failed": 0}
+_TEMP: Optional[Path] = None
+
+
+def count(what: str) -> None:
+    with _LOCK:
+        _COUNTS[what] = _COUNTS.get(what, 0) + 1
+
+
+def temp_dir() -> Path:
+    global _TEMP
+    with _LOCK:
+        if _TEMP is None or not _TEMP.is_dir():
+            _TEMP = Path(tempfile.mkdtemp(prefix="d3d-studio-"))
+        return _TEMP
+
+
+def temp_path(prefix: str, suffix: str) -> str:
+    """A fresh file path in the app's temp directory; files past their age are removed first."""
+    d = temp_dir()
+    now = time.time()
+    for f in d.iterdir():
+        try:
+            if now - f.stat().st_mtime > APP_TEMP_MAX_AGE_S:
+                f.unlink()
+        except OSError:
+            pass  # another request removed it first
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=d)
+    os.close(fd)
+    return path
+
+
+def _temp_usage() -> tuple:
+    d = _TEMP
+    if d is None or not d.is_dir():
+        return 0, 0
+    files = [f for f in d.iterdir() if f.is_file()]
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+def queue_length(demo) -> Optional[int]:
+    """Events waiting in the Gradio queue (None when the queue is not started)."""
+    q = getattr(demo, "_queue", None)
+    try:
+        return len(q) if q is not None else None
+    except TypeError:
+        return None
+
+
+def snapshot(demo=None) -> dict:
+    import psutil
+
+    p = psutil.Process()
+    with p.oneshot():
+        rss = p.memory_info().rss
+        threads = p.num_threads()
+        fds = p.num_fds() if hasattr(p, "num_fds") else None
+    n_tmp, tmp_bytes = _temp_usage()
+    with _LOCK:
+        counts = dict(_COUNTS)
+    return {
+        "status": "ok", "uptime_s": round(time.time() - STARTED, 1), "races_served": counts["races"],
+        "races_stopped": counts["stopped"], "races_failed": counts["failed"],
+        "queue_length": queue_length(demo) if demo is not None else None,
+        "queue_max": getattr(getattr(demo, "_queue", None), "max_size", None) if demo is not None else None,
+        "rss_mib": round(rss / 2**20, 1), "threads": threads, "open_fds": fds,
+        "temp_files": n_tmp, "temp_bytes": tmp_bytes, "pid": os.getpid(),
+    }
+
+
+def _dur(s: float) -> str:
+    s = int(s)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return f"{d} d {h} h" if d else (f"{h} h {m} min" if h else f"{m} min {s % 60} s")
+
+
+def line(snap: dict) -> str:
+    """The footer's one line."""
+    q = snap.get("queue_length")
+    queue = f"{q} waiting (max {snap.get('queue_max')})" if q is not None else "not started"
+    return (f"Server health · up {_dur(snap['uptime_s'])} · {snap['races_served']} races served "
+            f"({snap['races_stopped']} stopped) · queue: {queue} · memory {snap['rss_mib']:.0f} MiB · "
+            f"{snap['threads']} threads · API: `/health`")
