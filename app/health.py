@@ -102,3 +102,47 @@ def line(snap: dict) -> str:
     return (f"Server health · up {_dur(snap['uptime_s'])} · {snap['races_served']} races served "
             f"({snap['races_stopped']} stopped) · queue: {queue} · memory {snap['rss_mib']:.0f} MiB · "
             f"{snap['threads']} threads · API: `/health`")
+
+
+# ----------------------------------------------------------------------------- memory
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC = lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _LIBC = False  # not glibc (macOS, musl without these): nothing to tune
+    return _LIBC
+
+
+def tune_malloc() -> bool:
+    """Make freed memory go back to the OS in a long-running server (glibc only; a no-op elsewhere).
+
+    The soak found the server's RSS creeping by ~0.5 MiB per trace upload and per race with no
+    Python object left behind: big short-lived buffers (trace JSON, figures, activations) served
+    from glibc's heap, whose mmap threshold rises after each large free, fragmenting per-thread
+    arenas that are never returned. A fixed mmap threshold (buffers ≥ 256 KiB are mmapped and
+    unmapped on free), two arenas and a trim after each race keep RSS flat."""
+    lib = _libc()
+    if not lib:
+        return False
+    lib.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    lib.mallopt(M_TRIM_THRESHOLD, 1024 * 1024)
+    lib.mallopt(M_ARENA_MAX, 2)
+    return True
+
+
+def trim() -> None:
+    """Return free heap pages to the OS (after a race, an upload): a few ms, glibc only."""
+    lib = _libc()
+    if lib:
+        lib.malloc_trim(0)

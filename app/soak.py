@@ -46,6 +46,7 @@ class SoakConfig:
     races: int = 500
     minutes: float = 90.0
     max_new_tokens: int = 16
+    max_prompt_words: int = 120  # prompts of 3..this many words
     stop_share: float = 0.1  # races stopped mid-run
     warmup_races: int = 50  # memory is compared from here on
     overload: int = 0  # visitors arriving at once in the overload phase (0: skip it)
@@ -120,7 +121,7 @@ def client(url):
 
 def race_args(cfg: SoakConfig, rng: random.Random, max_new: Optional[int] = None) -> list:
     modes = rng.sample(MODES, rng.randint(1, 4))
-    words = rng.randint(3, 120)  # short and long prompts
+    words = rng.randint(3, max(3, cfg.max_prompt_words))  # short and long prompts
     prompt = " ".join(rng.choice(WORDS) for _ in range(words)) + f" ({rng.randint(0, 10**6)})"
     temp = rng.choice([0.0, 0.0, 0.7])
     return [prompt, cfg.bundle, modes, rng.randint(2, 8), temp, max_new or cfg.max_new_tokens, rng.randint(1, 8),

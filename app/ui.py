@@ -172,6 +172,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     ran = [m for m in MODES if m in state["traces"]]
     stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     health.count("stopped" if stopped else "races")
+    health.trim()
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
     if timed_out:
         status += (f" · stopped at this server's time limit ({APP_RACE_SECONDS} s per race, so that the queue keeps moving); "
@@ -357,6 +358,8 @@ def upload_traces(file, state):
         if data.lstrip()[:15].lower().startswith(b"<!doctype html"):  # an exported race page
             data = traces_json_of(data.decode("utf-8", errors="replace"))
         trs = service.read_traces(data)
+        del data
+        health.trim()
         bundle = trs[0].bundle
         state["traces"] = {t.mode: t for t in trs}
         try:
@@ -375,6 +378,7 @@ def upload_traces(file, state):
 
 
 def build_demo() -> gr.Blocks:
+    health.tune_malloc()
     lim = service.APP_LIMITS
     # delete_cache: Gradio's copies of served files (downloads, exports, uploads) go once past the app's temp-file age
     with gr.Blocks(title="D3D Studio", delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:

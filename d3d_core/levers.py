@@ -7,7 +7,7 @@
 and counts the supervised positions, so "signal per FLOP" is a number, not a hope. ``run`` trains one
 drafter per recipe from the same target-initialised start for the same wall time (steps = budget /
 measured step time, so every recipe completes its own learning-rate schedule), then scores each on
-held-out benchmark continuations (``prune.held_out_set``) with a paired bootstrap interval against the
+held-out benchmark continuations (``offline_tau.held_out_set``) with a paired bootstrap interval against the
 ``base`` recipe (the shipped one). Runs checkpoint under ``$D3D_CACHE/levers/<recipe>`` and the plan is
 kept beside them, so rerunning the same command resumes; results go to ``--json``.
 """
@@ -27,8 +27,7 @@ import torch
 from .bundles import BUNDLES, cache_dir, get_bundle, init_drafter
 from .distill import distill_dir, read_examples
 from .losses import HeadLoss
-from .offline_tau import offline_tau, paired_ratio_ci
-from .prune import held_out_set
+from .offline_tau import held_out_set, offline_tau, paired_ratio_ci
 from .softlabels import SoftLabelCache
 from .softlabels import cache_root as softlabel_root
 from .train import TrainConfig, d3d_loss, head_shortlist, sample_anchors, split_holdout, to_seq, train

@@ -9,6 +9,8 @@ temperature 0 this equals the τ a real decode would see on that continuation.
 
 from __future__ import annotations
 
+import json
+
 import threading
 from dataclasses import dataclass
 
@@ -162,6 +164,42 @@ def calibration_set(bundle, max_new_tokens: int = 96) -> list:
 # ----------------------------------------------------------------------------- CLI
 
 
+def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed: int = 1) -> list:
+    """The target's greedy continuations of n benchmark prompts (round-robin over the seven
+    benchmarks, a different shuffle from the bench's), batched: prompts no calibration saw."""
+    from .datasets import BENCHMARKS, load_benchmark
+    from .distill import generate_batch
+
+    pools = [load_benchmark(b, n, seed=seed, root=root) for b in BENCHMARKS if b != "mt_bench_2turn"]
+    items = [pool[i] for i in range(n) for pool in pools if i < len(pool)][:n]
+    tok = bundle.tokenizer
+    prompts = [tok.encode_messages(it.messages) for it in items]
+    out = []
+    for b in range(0, len(prompts), 8):
+        batch = prompts[b : b + 8]
+        for p, (r, _) in zip(batch, generate_batch(bundle.target, tok, batch, max_new_tokens)):
+            out.append(CalibSeq(list(p), list(r)))
+    return out
+
+
+def held_out_set(bundle, root, n: int, max_new_tokens: int) -> tuple:
+    """``benchmark_continuations`` cached under $D3D_CACHE/eval/<bundle>-n<n>-t<tokens>.json (the
+    target's greedy continuations take minutes on a CPU; pruning and ``python -m d3d_core.offline_tau``
+    share the file, so both score drafters on the same sequences). Returns (seqs, path)."""
+    from .bundles import cache_dir
+    from .datasets import data_dir
+
+    f = cache_dir() / "eval" / f"{bundle.name}-n{n}-t{max_new_tokens}.json"
+    if f.is_file():
+        return [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in json.loads(f.read_text())], f
+    seqs = benchmark_continuations(bundle, str(data_dir(root)), n, max_new_tokens)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".part")
+    tmp.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
+    tmp.replace(f)  # a killed run leaves no half-written set behind
+    return seqs, f
+
+
 def load_any_drafter(path, bundle):
     """A drafter from a saved directory (config.json + model.safetensors) or from a training
     checkpoint directory (ckpt/: state.json + drafter.safetensors)."""
@@ -199,7 +237,6 @@ def main(argv=None) -> int:
     ap.add_argument("--stride", type=int, default=2)
     args = ap.parse_args(argv)
     from .bundles import get_bundle
-    from .prune import held_out_set
 
     bundle = get_bundle(args.bundle)
     seqs, f = held_out_set(bundle, args.data_dir, args.n, args.tokens)

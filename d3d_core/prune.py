@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .offline_tau import CalibSeq, offline_tau, paired_ratio_ci
+from .offline_tau import CalibSeq, held_out_set, offline_tau, paired_ratio_ci
+from .train import TrainConfig, split_holdout, train
 
 
 def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B: int = 8, stride: int = 4,
@@ -123,7 +124,6 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     ``kd`` = α > 0 also distils the unpruned drafter's block distributions into each one
     (loss (1-α)·CE + α·KL, see ``train.d3d_loss``); the control gets the same recipe."""
     from .drafters import load_drafter
-    from .train import TrainConfig, train
 
     L = drafter.cfg.num_layers
     base_skip = set(drafter.cfg.skip_layers)
@@ -171,42 +171,6 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     return curve
 
 
-def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed: int = 1) -> list:
-    """The target's greedy continuations of n benchmark prompts (round-robin over the seven
-    benchmarks, a different shuffle from the bench's), batched: prompts no calibration saw."""
-    from .datasets import BENCHMARKS, load_benchmark
-    from .distill import generate_batch
-
-    pools = [load_benchmark(b, n, seed=seed, root=root) for b in BENCHMARKS if b != "mt_bench_2turn"]
-    items = [pool[i] for i in range(n) for pool in pools if i < len(pool)][:n]
-    tok = bundle.tokenizer
-    prompts = [tok.encode_messages(it.messages) for it in items]
-    out = []
-    for b in range(0, len(prompts), 8):
-        batch = prompts[b : b + 8]
-        for p, (r, _) in zip(batch, generate_batch(bundle.target, tok, batch, max_new_tokens)):
-            out.append(CalibSeq(list(p), list(r)))
-    return out
-
-
-def held_out_set(bundle, root, n: int, max_new_tokens: int) -> tuple:
-    """``benchmark_continuations`` cached under $D3D_CACHE/eval/<bundle>-n<n>-t<tokens>.json (the
-    target's greedy continuations take minutes on a CPU; pruning and ``python -m d3d_core.offline_tau``
-    share the file, so both score drafters on the same sequences). Returns (seqs, path)."""
-    from .bundles import cache_dir
-    from .datasets import data_dir
-
-    f = cache_dir() / "eval" / f"{bundle.name}-n{n}-t{max_new_tokens}.json"
-    if f.is_file():
-        return [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in json.loads(f.read_text())], f
-    seqs = benchmark_continuations(bundle, str(data_dir(root)), n, max_new_tokens)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".part")
-    tmp.write_text(json.dumps([{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in seqs]))
-    tmp.replace(f)  # a killed run leaves no half-written set behind
-    return seqs, f
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m d3d_core.prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
@@ -244,7 +208,6 @@ def main(argv=None) -> int:
     from .distill import distill_dir, read_examples
     from .drafters import load_drafter
     from .offline_tau import CALIB_PROMPTS, greedy_continuations
-    from .train import split_holdout
 
     bundle = get_bundle(args.bundle)
     drafter = bundle.drafter("d3d")

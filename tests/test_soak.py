@@ -1,0 +1,36 @@
+"""The soak's short version: 60 races on the toy bundle through the served app, 4 visitors at once."""
+
+import json
+
+import pytest
+
+from app.soak import SoakConfig, passed, run, soak_figure
+
+
+@pytest.mark.slow
+def test_sixty_races_flat_memory_no_leaked_threads_files_or_temp_files(tmp_path):
+    cfg = SoakConfig(bundle="toy", visitors=4, races=60, minutes=10, warmup_races=30, max_prompt_words=20, temp_max_age_s=15)
+    doc = run(cfg, tmp_path)
+    v = doc["verdict"]
+    print("\nsoak:", json.dumps({k: v[k] for k in v if k != "pass"}))
+    assert v["races"] >= 60 and v["errors"] == 0, doc["soak"]["errors"][:5]
+    assert all(doc["soak"]["actions"][k] > 0 for k in ("race", "stop")), doc["soak"]["actions"]
+    assert v["rss_growth"] < 0.02, v
+    assert v["threads_end"] <= v["threads_after_warmup"] + 2 and v["fds_end"] <= v["fds_after_warmup"] + 8, v
+    assert v["temp_files_end"] <= v["temp_files_bound"], v
+    assert passed(doc)
+    assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.html").stat().st_size > 10_000
+    fig = soak_figure(doc)
+    assert len(fig.data) == 5 and len(fig.data[0].y) == len(doc["soak"]["samples"])
+
+
+def test_health_endpoint_answers_outside_the_queue(app_server):
+    from gradio_client import Client
+
+    demo, url = app_server
+    h = Client(url, verbose=False).predict(api_name="/health")
+    assert h["status"] == "ok" and h["queue_max"] == 16 and h["rss_mib"] > 100 and h["threads"] >= 1
+    assert set(h) >= {"uptime_s", "races_served", "queue_length", "open_fds", "temp_files"}
+    from app.health import line
+
+    assert "races served" in line(h) and "queue" in line(h)
