@@ -37,6 +37,8 @@ RECIPES = {
     "dense": dict(anchors=0, ar_positions=0),
     "dense-short": dict(anchors=0, ar_positions=0, head_shortlist=8192),
     "dense-short-soft": dict(anchors=0, ar_positions=0, head_shortlist=8192, soft_k=32),
+    "short": dict(anchors=16, ar_positions=64, head_shortlist=8192),  # the shipped anchors, the cheaper head
+    "short-soft": dict(anchors=16, ar_positions=64, head_shortlist=8192, soft_k=32),
 }
 
 

@@ -1,4 +1,4 @@
-"""The soak's short version: 60 races on the toy bundle through the served app, 4 visitors at once."""
+"""The soak's short version: 80 races on the toy bundle through the served app, 4 visitors at once."""
 
 import json
 
@@ -9,11 +9,11 @@ from app.soak import SoakConfig, passed, run, soak_figure
 
 @pytest.mark.slow
 def test_sixty_races_flat_memory_no_leaked_threads_files_or_temp_files(tmp_path):
-    cfg = SoakConfig(bundle="toy", visitors=4, races=60, minutes=10, warmup_races=30, max_prompt_words=20, temp_max_age_s=15)
+    cfg = SoakConfig(bundle="toy", visitors=4, races=80, minutes=10, warmup_races=40, max_prompt_words=12, max_new_tokens=12, temp_max_age_s=15)
     doc = run(cfg, tmp_path)
     v = doc["verdict"]
     print("\nsoak:", json.dumps({k: v[k] for k in v if k != "pass"}))
-    assert v["races"] >= 60 and v["errors"] == 0, doc["soak"]["errors"][:5]
+    assert v["races"] >= 80 and v["errors"] == 0, doc["soak"]["errors"][:5]
     assert all(doc["soak"]["actions"][k] > 0 for k in ("race", "stop")), doc["soak"]["actions"]
     assert v["rss_growth"] < 0.02, v
     assert v["threads_end"] <= v["threads_after_warmup"] + 2 and v["fds_end"] <= v["fds_after_warmup"] + 8, v
