@@ -158,12 +158,12 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
                 state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
                 yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …", *_columns(state, None if done else mode),
                        state)
+        finished = True
     except ValueError as e:
         health.count("failed")
         gr.Warning(str(e))
         yield (f"**Error:** {e}", *_columns(state), state)
         return
-        finished = True
     finally:
         if not finished:  # the visitor left mid-race (Gradio closed this generator): free the lane now
             cancel.set()

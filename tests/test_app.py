@@ -66,6 +66,7 @@ def test_race_bad_input_gives_message(client):
 
 def test_download_rounds_and_upload_round_trip(client, tmp_path):
     client.predict(*RACE.values(), api_name="/race")
+    client.predict(api_name="/race_views")  # what the page runs after a race: plots, and the Rounds slider's range
     path = client.predict(api_name="/download_traces")
     data = json.loads(Path(path).read_text())
     assert [t["mode"] for t in data["traces"]] == RACE["modes"]
