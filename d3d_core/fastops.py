@@ -109,11 +109,11 @@ def row_bucket(m: int) -> int:
     """The row count a GEMM of m rows runs at. oneDNN builds (and keeps) a primitive for every
     input shape it meets, about 0.6 MB each, and memory did not come back past its cache's
     capacity (measured: +2 GB after 2,400 distinct row counts). A server meets a new row count with
-    every new prompt length, so rows are padded up to a bounded set of sizes: exact up to 16 (the
-    decode steps, verifies and drafts that decide speed), then multiples of 16 up to 128, of 64 up
-    to 1024 and of 256 beyond — under 100 shapes per weight up to 8k rows, at ≤ 12 % (beyond
-    128 rows) extra work on prefills and packed passes only."""
-    if m <= 16:
+    every new prompt length, so rows are padded up to a bounded set of sizes: exact up to 32 (the
+    decode steps, verifies up to B = 16 and drafts that decide speed), then multiples of 16 up to
+    128, of 64 up to 1024 and of 256 beyond — about 80 shapes per weight up to 8k rows, at ≤ 12 %
+    (beyond 128 rows) extra work on prefills and large packed passes only."""
+    if m <= 32:
         return m
     step = 16 if m <= 128 else (64 if m <= 1024 else 256)
     return -(-m // step) * step

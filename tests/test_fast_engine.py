@@ -193,3 +193,23 @@ def test_overlap_crossover_measures_every_depth(toy):
     rows = [{"draft_per_verify": 0.2, "async_over_seq": 0.8}, {"draft_per_verify": 0.6, "async_over_seq": 1.2}]
     assert _crossing(rows) == pytest.approx(0.4)
     assert _crossing(rows[:1]) is None
+
+
+def test_row_buckets_are_few_cover_every_size_and_keep_results():
+    """Padding rows to buckets bounds oneDNN's per-shape memory (see fastops.row_bucket) and does not
+    change what a linear computes."""
+    import torch.nn as nn
+
+    from d3d_core import fastops
+
+    sizes = {fastops.row_bucket(m) for m in range(1, 8193)}
+    assert len(sizes) < 100 and all(fastops.row_bucket(m) == m for m in range(1, 33))
+    assert all(fastops.row_bucket(m) >= m for m in range(1, 8193))
+    assert all(fastops.row_bucket(m) <= 1.5 * m for m in range(33, 8193))
+    if not fastops.enabled():
+        pytest.skip(fastops.status()["reason"])
+    lin = nn.Linear(64, 48)
+    with torch.inference_mode():
+        for m in (1, 17, 33, 47, 130, 700):
+            x = torch.randn(m, 64)
+            assert torch.allclose(fastops.linear(lin, x), lin(x), atol=1e-4), m
