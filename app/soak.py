@@ -257,6 +257,7 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
         out.update(
             rss_after_warmup_mib=base["rss_mib"], rss_end_mib=rss_end, rss_max_mib=max(r["rss_mib"] for r in s),
             rss_growth=round((rss_end - base["rss_mib"]) / base["rss_mib"], 4),
+            rss_mib_per_race=round((rss_end - base["rss_mib"]) / max(1, len(res["races"]) - base["races"]), 3),
             threads_after_warmup=base["threads"], threads_end=tail[-1]["threads"], threads_max=max(r["threads"] for r in s),
             fds_after_warmup=base["fds"], fds_end=tail[-1]["fds"], fds_max=max((r["fds"] or 0) for r in s),
             temp_files_max=max(r.get("temp_files", r["app_temp_files"]) for r in s),
