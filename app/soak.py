@@ -113,10 +113,15 @@ class Server:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+_DOWNLOADS = {"dir": None}  # one directory for every simulated visitor's downloads, removed by run()
+
+
 def client(url):
     from gradio_client import Client
 
-    return Client(url, verbose=False, download_files=tempfile.mkdtemp(prefix="d3d-soak-client-"))
+    if _DOWNLOADS["dir"] is None:
+        _DOWNLOADS["dir"] = tempfile.mkdtemp(prefix="d3d-soak-client-")
+    return Client(url, verbose=False, download_files=_DOWNLOADS["dir"])
 
 
 def race_args(cfg: SoakConfig, rng: random.Random, max_new: Optional[int] = None) -> list:
@@ -410,6 +415,9 @@ def run(cfg: SoakConfig, out: Path) -> dict:
     finally:
         if server:
             server.close()
+        if _DOWNLOADS["dir"]:
+            shutil.rmtree(_DOWNLOADS["dir"], ignore_errors=True)
+            _DOWNLOADS["dir"] = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(doc, indent=1))
     if "soak" in doc:

@@ -26,6 +26,7 @@ import torch
 
 from .bundles import BUNDLES, cache_dir, get_bundle, init_drafter
 from .distill import distill_dir, read_examples
+from .drafters import load_drafter
 from .losses import HeadLoss
 from .offline_tau import held_out_set, offline_tau, paired_ratio_ci
 from .softlabels import SoftLabelCache
@@ -96,8 +97,6 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
         out = cache_dir() / "levers" / key
         t0 = time.process_time()
         res = train(bundle, examples, cfg, out, progress=False)
-        from .drafters import load_drafter
-
         d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch).eval()
         tau, per = offline_tau(d, seqs, B=8, stride=4, per_seq=True)
         results[name] = {"steps": cfg.steps, "cost": plan[key]["cost"], "held_out_tau": round(tau, 4), "per_seq": per,

@@ -1,9 +1,10 @@
 import os
 import runpy
-import socket
 from pathlib import Path
 
 import pytest
+
+from app.soak import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,12 +39,6 @@ def smollm():
     return get_bundle("smollm2-135m")
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 @pytest.fixture(scope="module")
