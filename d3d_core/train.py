@@ -130,8 +130,8 @@ def weighted_block_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, ids: l
 
 def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, head: HeadLoss,
                     topk=None, generator=None) -> tuple:
-    """One packed forward over the context and every block. Returns (h_ctx (T, H), block logits or
-    None, Σ w·CE, Σ w, Σ w·soft CE or None) — sums, not means, so a dense pass over many anchors
+    """One packed forward over the context and every block. Returns (h_ctx (T, H), block hidden
+    states (nb, B, H), Σ w·CE, Σ w, Σ w·soft CE or None) — sums, not means, so a dense pass over many anchors
     equals the sum of one pass per anchor (tested)."""
     ids = seq.ids
     B = cfg.block_size
@@ -159,7 +159,8 @@ def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig
     ids = seq.ids
     T, B = len(ids), cfg.block_size
     head = head or HeadLoss(drafter.cfg.arch.vocab_size)
-    gen = torch.Generator().manual_seed(rng.getrandbits(62))
+    # only a sampling head draws from rng: the full-head recipe keeps the random stream it always had
+    gen = None if head.full else torch.Generator().manual_seed(rng.getrandbits(62))
     h_ctx, hb, ce_sum, w_sum, soft_sum = d3d_block_terms(drafter, seq, anchors, cfg, head, topk, gen)
     block = ce_sum / w_sum.clamp(min=1e-6)
     if soft_sum is not None and cfg.soft_alpha > 0:
