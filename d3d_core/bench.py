@@ -26,6 +26,7 @@ from . import fastops
 from .config import DecodeConfig
 from .machine import QuietWatch, machine_info
 from .peers import PEERS, run_peer
+from .schemas import checked
 from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
 from .trace import MODES
 
@@ -129,7 +130,7 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
 
 def write_outputs(out: Path, result: dict) -> list:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps(checked("bench result", result), indent=2))
     written = [out]
     stem = out.with_suffix("")
     with open(f"{stem}.csv", "w", newline="") as f:

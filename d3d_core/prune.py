@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from .offline_tau import CalibSeq, held_out_set, offline_tau, paired_ratio_ci
+from .schemas import checked
 from .train import TrainConfig, split_holdout, train
 
 
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         curve["best_99"] = best_within(curve)
     out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(curve, indent=1))  # the greedy curve survives a killed healing run
+    out.write_text(json.dumps(checked("pruning curve", curve), indent=1))  # the greedy curve survives a killed healing run
     if heal_ks:
         from .bundles import cache_dir
 
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    out.write_text(json.dumps(curve, indent=1))
+    out.write_text(json.dumps(checked("pruning curve", curve), indent=1))
     if args.calib_out:
         Path(args.calib_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.calib_out).write_text(json.dumps({"bundle": args.bundle, "seqs": [

@@ -16,42 +16,15 @@ from .config import DecodeConfig
 from .engine import iter_decode
 from .trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
 
-from .limits import APP_LIMITS  # noqa: E402
+from .limits import APP_LIMITS
+from .schemas import AppSettings, checked
 
 
 def settings(mode="d3d-async", block_size=8, temperature=0.0, max_new_tokens=128, hypotheses=4,
              sampling="match", seed=0) -> DecodeConfig:
-    """Build a DecodeConfig from loosely typed UI values; ValueError with a readable message."""
-
-    def as_int(v, name):
-        if isinstance(v, bool):
-            raise ValueError(f"{name} must be a whole number")
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number, got {str(v)[:30]!r}") from None
-        if f != f or f in (float("inf"), float("-inf")) or f != int(f):
-            raise ValueError(f"{name} must be a whole number, got {str(v)[:30]}")
-        return int(f)
-
-    B = as_int(block_size, "block size")
-    if not APP_LIMITS["block_min"] <= B <= APP_LIMITS["block_max"]:
-        raise ValueError(f"block size must be between {APP_LIMITS['block_min']} and {APP_LIMITS['block_max']}, got {B}")
-    H = as_int(hypotheses, "hypotheses H")
-    if not APP_LIMITS["h_min"] <= H <= APP_LIMITS["h_max"]:
-        raise ValueError(f"hypotheses H must be between {APP_LIMITS['h_min']} and {APP_LIMITS['h_max']}, got {H}")
-    n = as_int(max_new_tokens, "max new tokens")
-    if not 1 <= n <= APP_LIMITS["max_new_max"]:
-        raise ValueError(f"max new tokens must be between 1 and {APP_LIMITS['max_new_max']}, got {n}")
-    try:
-        t = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a number, got {str(temperature)[:30]!r}") from None
-    seed = as_int(seed, "seed")
-    if seed < 0:
-        raise ValueError("seed must be 0 or more")
-    return DecodeConfig(mode=mode, block_size=B, temperature=t, max_new_tokens=n, hypotheses=H,
-                        sampling=sampling, seed=seed).validated()
+    """Build a DecodeConfig from loosely typed UI values (``schemas.AppSettings``); ValueError with a readable message."""
+    return AppSettings.parse(mode=mode, block_size=block_size, temperature=temperature, max_new_tokens=max_new_tokens,
+                             hypotheses=hypotheses, sampling=sampling, seed=seed).decode_config()
 
 
 def check_modes(modes) -> list:
@@ -159,8 +132,9 @@ def read_traces(data) -> list:
     return traces_from_json(data)
 
 
-def _asset_json(*parts) -> Optional[dict]:
-    """A JSON file shipped under assets/, or None when absent or unreadable."""
+def _asset_json(*parts, schema: Optional[str] = None) -> Optional[dict]:
+    """A JSON file shipped under assets/, or None when absent or unreadable; checked against
+    ``schemas.SCHEMAS[schema]`` when given (a shipped file that does not fit is an error, said at once)."""
     p = ASSETS.joinpath(*parts)
     if not p.is_file():
         return None
@@ -168,17 +142,19 @@ def _asset_json(*parts) -> Optional[dict]:
         d = json.loads(p.read_text())
     except ValueError:
         return None
-    return d if isinstance(d, dict) else None
+    if not isinstance(d, dict):
+        return None
+    return checked(schema, d) if schema else d
 
 
 def pruning_curve(bundle_name: str) -> Optional[dict]:
     """The precomputed progressive-pruning curve (python -m d3d_core.prune), if shipped."""
-    return _asset_json("pruning", f"{bundle_name}.json")
+    return _asset_json("pruning", f"{bundle_name}.json", schema="pruning curve")
 
 
 def block_sweep(bundle_name: str) -> Optional[dict]:
     """{mode: {B: {tau, speedup}}} from a shipped block-size sweep, if any."""
-    d = _asset_json("bench", f"{bundle_name}-block-sweep.json")
+    d = _asset_json("bench", f"{bundle_name}-block-sweep.json", schema="bench result")
     return d.get("sweep") if d else None
 
 
@@ -202,7 +178,7 @@ def block_sweep_datasets(bundle_name: str) -> str:
 
 def bench_result(bundle_name: str) -> Optional[dict]:
     """The measured bench table shipped for the bundle (assets/bench/<bundle>.json), if any."""
-    return _asset_json("bench", f"{bundle_name}.json")
+    return _asset_json("bench", f"{bundle_name}.json", schema="bench result")
 
 
 def default_block(bundle_name: str) -> int:

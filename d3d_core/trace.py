@@ -1,111 +1,146 @@
 """The Trace: the one contract between the engine and everything that shows or measures it.
 
-Plain dataclasses with a strict JSON round-trip. ``Trace.from_json`` validates untrusted
-input (an uploaded file) and raises ``TraceError`` with a readable message — never a
-bare KeyError/TypeError — and refuses absurd sizes before building anything.
+Plain dataclasses with a strict JSON round-trip. Their annotations are the schema: ``Trace.from_json``
+validates untrusted input (an uploaded file) with pydantic in strict mode (``TRACE_SCHEMA``) and raises
+``TraceError`` with a readable message — never a bare KeyError/TypeError — and refuses absurd sizes
+before building anything.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Annotated, Literal, Optional
+
+from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
+
+from .limits import MAX_TRACE_BLOCK, MAX_TRACE_BYTES, MAX_TRACE_HYPOTHESES, MAX_TRACE_ROUNDS, MAX_TRACE_SPANS, MAX_TRACE_TOKENS
 
 TRACE_VERSION = 1
 LANES = ("target", "drafter")
 SPAN_KINDS = ("prefill", "verify", "draft", "packed_draft", "sync_draft")
 MODES = ("ar", "dflash", "d3d-seq", "d3d-async")
 FINISH_REASONS = ("length", "eos", "cancelled", "context")
+Lane = Literal[LANES]
+SpanKind = Literal[SPAN_KINDS]
+ModeName = Literal[MODES]
 
-# limits for untrusted traces: d3d_core/limits.py
-from .limits import MAX_TRACE_BLOCK as MAX_BLOCK  # noqa: E402
-from .limits import MAX_TRACE_BYTES  # noqa: E402, F401
-from .limits import MAX_TRACE_HYPOTHESES as MAX_HYPOTHESES  # noqa: E402
-from .limits import MAX_TRACE_ROUNDS as MAX_ROUNDS  # noqa: E402
-from .limits import MAX_TRACE_SPANS as MAX_SPANS  # noqa: E402
-from .limits import MAX_TRACE_TOKENS as MAX_TOKENS  # noqa: E402
+# The annotations below are the trace's schema: pydantic reads them (``TRACE_SCHEMA``) to validate an
+# untrusted trace in strict mode; the engine builds the same dataclasses directly, with no check.
+_STRICT = ConfigDict(allow_inf_nan=False)  # a dataclass may arrive as a dict; each scalar below is strict
+Int = Annotated[int, Strict()]  # 3, not "3", 3.0 or true
+Float = Annotated[float, Strict()]  # finite; an int is a float
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=10_000_000)]
+BlockIds = Annotated[list[TokenId], Field(max_length=MAX_TRACE_BLOCK)]
+BlockProbs = Annotated[list[Float], Field(max_length=MAX_TRACE_BLOCK)]
 
 
 class TraceError(ValueError):
     """A trace that cannot be read; the message says what is wrong and where."""
 
 
+@with_config(_STRICT)
 @dataclass
 class Span:
-    lane: str  # "target" | "drafter"
-    kind: str  # one of SPAN_KINDS
-    round: int  # round index (-1 for prefill)
-    t_start: float  # ms since the run started (synchronised clock)
-    t_end: float
+    lane: Lane
+    kind: SpanKind
+    round: Int  # round index (-1 for prefill)
+    t_start: Float  # ms since the run started (synchronised clock)
+    t_end: Float
 
     @property
     def duration(self) -> float:
         return self.t_end - self.t_start
 
 
+@with_config(_STRICT)
 @dataclass
 class Hypothesis:
-    accepted: int  # a: how many drafts this hypothesis assumes verify accepts
-    token: int  # t: the bonus token it assumes
-    score: float  # P(a, t) under the drafter's own distributions
-    draft_ids: list  # the successor block drafted for it: [t, d'_1..d'_{B-1}] without t
-    hit: bool = False
+    accepted: Int  # a: how many drafts this hypothesis assumes verify accepts
+    token: Int  # t: the bonus token it assumes
+    score: Float  # P(a, t) under the drafter's own distributions
+    draft_ids: BlockIds  # the successor block drafted for it: [t, d'_1..d'_{B-1}] without t
+    hit: Bool = False
 
 
+@with_config(_STRICT)
 @dataclass
 class Round:
-    index: int
-    anchor_pos: int  # position s of the anchor in the full sequence (prompt + output)
-    anchor_id: int
-    draft_ids: list  # d_1..d_{B-1} (empty for ar)
-    draft_probs: list  # q_j(d_j): drafter probability of each draft
-    target_ids: list  # y_1..y_B: the target's token at each block position
-    accepted: int  # a: longest prefix with d_j == y_j (or accepted by rejection sampling)
-    bonus: int  # the target's token after the accepted prefix: next anchor
-    committed: list  # tokens this round appended to the output (accepted + bonus, truncated at stop)
-    draft_source: str = ""  # how this round's block was drafted: "", "draft", "sync_draft", "packed_draft"
-    hypotheses: list = field(default_factory=list)  # d3d-async: hypotheses drafted during this verify
-    hit: Optional[bool] = None  # d3d-async: did one of them equal (accepted, bonus)?
+    index: Int
+    anchor_pos: Int  # position s of the anchor in the full sequence (prompt + output)
+    anchor_id: Int
+    draft_ids: BlockIds  # d_1..d_{B-1} (empty for ar)
+    draft_probs: BlockProbs  # q_j(d_j): drafter probability of each draft
+    target_ids: BlockIds  # y_1..y_B: the target's token at each block position
+    accepted: Int  # a: longest prefix with d_j == y_j (or accepted by rejection sampling)
+    bonus: Int  # the target's token after the accepted prefix: next anchor
+    committed: BlockIds  # tokens this round appended to the output (accepted + bonus, truncated at stop)
+    draft_source: Annotated[str, Strict(), Field(max_length=20)] = ""  # "", "draft", "sync_draft", "packed_draft"
+    hypotheses: Annotated[list[Hypothesis], Field(max_length=MAX_TRACE_HYPOTHESES)] = field(default_factory=list)  # d3d-async
+    hit: Optional[Bool] = None  # d3d-async: did one of them equal (accepted, bonus)?
 
     @property
     def tokens(self) -> int:
         return self.accepted + 1
 
 
+@with_config(_STRICT)
 @dataclass
 class Stats:
-    tau: float = 0.0  # mean tokens per round (accepted + bonus)
-    tokens_per_s: float = 0.0  # output tokens after the first / decode time (prefill excluded)
-    target_forwards: int = 0  # prefill + verifies
-    drafter_forwards: int = 0
-    hit_rate: Optional[float] = None  # d3d-async only
-    overlap: Optional[float] = None  # share of drafter busy time during target verify
-    wall_time_s: float = 0.0  # whole run, prefill included
-    prefill_time_s: float = 0.0
-    decode_time_s: float = 0.0
-    n_rounds: int = 0
-    n_tokens: int = 0
-    target_busy_s: float = 0.0
-    drafter_busy_s: float = 0.0
+    tau: Float = 0.0  # mean tokens per round (accepted + bonus)
+    tokens_per_s: Float = 0.0  # output tokens after the first / decode time (prefill excluded)
+    target_forwards: Int = 0  # prefill + verifies
+    drafter_forwards: Int = 0
+    hit_rate: Optional[Float] = None  # d3d-async only
+    overlap: Optional[Float] = None  # share of drafter busy time during target verify
+    wall_time_s: Float = 0.0  # whole run, prefill included
+    prefill_time_s: Float = 0.0
+    decode_time_s: Float = 0.0
+    n_rounds: Int = 0
+    n_tokens: Int = 0
+    target_busy_s: Float = 0.0
+    drafter_busy_s: Float = 0.0
 
 
+def _round_consistent(rd: Round) -> Round:
+    if not 0 <= rd.accepted <= len(rd.draft_ids):
+        raise ValueError(f"accepted={rd.accepted} must lie in [0, {len(rd.draft_ids)}] (the number of drafts)")
+    if len(rd.draft_probs) not in (0, len(rd.draft_ids)):
+        raise ValueError("draft_probs and draft_ids differ in length")
+    return rd
+
+
+def _span_ordered(sp: Span) -> Span:
+    if sp.t_end < sp.t_start:
+        raise ValueError("ends before it starts")
+    return sp
+
+
+def _config_small(config: dict) -> dict:
+    if len(json.dumps(config)) > 100_000:
+        raise ValueError("is too large")
+    return config
+
+
+@with_config(_STRICT)
 @dataclass
 class Trace:
-    mode: str
-    bundle: str
-    config: dict
-    prompt_text: str
-    prompt_ids: list
-    output_ids: list = field(default_factory=list)
-    output_text: str = ""
-    first_token: Optional[int] = None  # from prefill (not part of any round)
-    rounds: list = field(default_factory=list)
-    spans: list = field(default_factory=list)
+    mode: ModeName
+    bundle: Annotated[str, Strict(), Field(max_length=200)]
+    config: Annotated[dict, Strict(), AfterValidator(_config_small)]
+    prompt_text: Str
+    prompt_ids: Annotated[list[TokenId], Field(max_length=1_000_000)]
+    output_ids: Annotated[list[TokenId], Field(max_length=MAX_TRACE_TOKENS)] = field(default_factory=list)
+    output_text: Str = ""
+    first_token: Optional[Int] = None  # from prefill (not part of any round)
+    rounds: Annotated[list[Annotated[Round, AfterValidator(_round_consistent)]], Field(max_length=MAX_TRACE_ROUNDS)] = field(default_factory=list)
+    spans: Annotated[list[Annotated[Span, AfterValidator(_span_ordered)]], Field(max_length=MAX_TRACE_SPANS)] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
-    finish_reason: str = ""
-    device: str = "cpu"
-    version: int = TRACE_VERSION
+    finish_reason: Literal[("",) + FINISH_REASONS] = ""
+    device: Annotated[str, Strict(), Field(max_length=40)] = "cpu"
+    version: Int = TRACE_VERSION
 
     # ---- serialisation
     def to_dict(self) -> dict:
@@ -121,6 +156,9 @@ class Trace:
     @classmethod
     def from_json(cls, text) -> "Trace":
         return _parse_trace(_read_json(text))
+
+
+TRACE_SCHEMA = TypeAdapter(Trace)
 
 
 def traces_to_json(traces: list, indent: Optional[int] = None) -> str:
@@ -164,157 +202,42 @@ def traces_from_json(text) -> list:
 # ----------------------------------------------------------------------------- validation
 
 
-def _need(d, key, types, where, optional=False, default=None):
-    if not isinstance(d, dict):
-        raise TraceError(f"{where} must be an object")
-    if key not in d:
-        if optional:
-            return default
-        raise TraceError(f"{where}: missing field '{key}'")
-    v = d[key]
-    if optional and v is None:
-        return default
-    if types is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise TraceError(f"{where}.{key} must be a finite number")
-        return float(v)
-    if types is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TraceError(f"{where}.{key} must be an integer")
-        return v
-    if not isinstance(v, types):
-        name = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
-        raise TraceError(f"{where}.{key} must be of type {name}")
-    return v
-
-
-def _int_list(d, key, where, limit, optional=False, lo=0, hi=10_000_000):
-    v = _need(d, key, list, where, optional=optional, default=[])
-    if len(v) > limit:
-        raise TraceError(f"{where}.{key} has {len(v)} items, limit {limit}")
-    for i, x in enumerate(v):
-        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x < hi:
-            raise TraceError(f"{where}.{key}[{i}] must be an integer token id in [{lo}, {hi})")
-    return list(v)
-
-
-def _float_list(d, key, where, limit, optional=False):
-    v = _need(d, key, list, where, optional=optional, default=[])
-    if len(v) > limit:
-        raise TraceError(f"{where}.{key} has {len(v)} items, limit {limit}")
-    for i, x in enumerate(v):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise TraceError(f"{where}.{key}[{i}] must be a finite number")
-    return [float(x) for x in v]
-
-
 def _parse_trace(d, where="trace") -> Trace:
+    """Untrusted parsed JSON -> Trace through ``TRACE_SCHEMA``; the first problem becomes one readable TraceError."""
     if not isinstance(d, dict):
         raise TraceError(f"{where} must be a JSON object, got {type(d).__name__}")
-    version = _need(d, "version", int, where, optional=True, default=TRACE_VERSION)
-    if version != TRACE_VERSION:
-        raise TraceError(f"{where}: unsupported trace version {version} (this app reads version {TRACE_VERSION})")
-    mode = _need(d, "mode", str, where)
-    if mode not in MODES:
-        raise TraceError(f"{where}.mode {mode[:40]!r} is not one of {', '.join(MODES)}")
-    bundle = _need(d, "bundle", str, where)[:200]
-    config = _need(d, "config", dict, where)
-    if len(json.dumps(config)) > 100_000:
-        raise TraceError(f"{where}.config is too large")
-    prompt_text = _need(d, "prompt_text", str, where)
-    prompt_ids = _int_list(d, "prompt_ids", where, 1_000_000)
-    output_ids = _int_list(d, "output_ids", where, MAX_TOKENS)
-    output_text = _need(d, "output_text", str, where, optional=True, default="")
-    first_token = _need(d, "first_token", int, where, optional=True, default=None)
-    raw_rounds = _need(d, "rounds", list, where)
-    if len(raw_rounds) > MAX_ROUNDS:
-        raise TraceError(f"{where}.rounds has {len(raw_rounds)} items, limit {MAX_ROUNDS}")
-    rounds = []
-    for i, r in enumerate(raw_rounds):
-        w = f"{where}.rounds[{i}]"
-        if not isinstance(r, dict):
-            raise TraceError(f"{w} must be an object")
-        hyps = []
-        raw_h = _need(r, "hypotheses", list, w, optional=True, default=[])
-        if len(raw_h) > MAX_HYPOTHESES:
-            raise TraceError(f"{w}.hypotheses has {len(raw_h)} items, limit {MAX_HYPOTHESES}")
-        for j, h in enumerate(raw_h):
-            wh = f"{w}.hypotheses[{j}]"
-            hyps.append(
-                Hypothesis(
-                    accepted=_need(h, "accepted", int, wh),
-                    token=_need(h, "token", int, wh),
-                    score=_need(h, "score", float, wh),
-                    draft_ids=_int_list(h, "draft_ids", wh, MAX_BLOCK),
-                    hit=bool(_need(h, "hit", bool, wh, optional=True, default=False)),
-                )
-            )
-        rd = Round(
-            index=_need(r, "index", int, w),
-            anchor_pos=_need(r, "anchor_pos", int, w),
-            anchor_id=_need(r, "anchor_id", int, w),
-            draft_ids=_int_list(r, "draft_ids", w, MAX_BLOCK),
-            draft_probs=_float_list(r, "draft_probs", w, MAX_BLOCK),
-            target_ids=_int_list(r, "target_ids", w, MAX_BLOCK),
-            accepted=_need(r, "accepted", int, w),
-            bonus=_need(r, "bonus", int, w),
-            committed=_int_list(r, "committed", w, MAX_BLOCK),
-            draft_source=_need(r, "draft_source", str, w, optional=True, default="")[:20],
-            hypotheses=hyps,
-            hit=_need(r, "hit", bool, w, optional=True, default=None),
-        )
-        if not 0 <= rd.accepted <= len(rd.draft_ids):
-            raise TraceError(f"{w}.accepted={rd.accepted} must lie in [0, {len(rd.draft_ids)}] (the number of drafts)")
-        if len(rd.draft_probs) not in (0, len(rd.draft_ids)):
-            raise TraceError(f"{w}: draft_probs and draft_ids differ in length")
-        rounds.append(rd)
-    raw_spans = _need(d, "spans", list, where)
-    if len(raw_spans) > MAX_SPANS:
-        raise TraceError(f"{where}.spans has {len(raw_spans)} items, limit {MAX_SPANS}")
-    spans = []
-    for i, s in enumerate(raw_spans):
-        w = f"{where}.spans[{i}]"
-        sp = Span(
-            lane=_need(s, "lane", str, w),
-            kind=_need(s, "kind", str, w),
-            round=_need(s, "round", int, w),
-            t_start=_need(s, "t_start", float, w),
-            t_end=_need(s, "t_end", float, w),
-        )
-        if sp.lane not in LANES:
-            raise TraceError(f"{w}.lane must be one of {', '.join(LANES)}")
-        if sp.kind not in SPAN_KINDS:
-            raise TraceError(f"{w}.kind must be one of {', '.join(SPAN_KINDS)}")
-        if sp.t_end < sp.t_start:
-            raise TraceError(f"{w} ends before it starts")
-        spans.append(sp)
-    raw_stats = _need(d, "stats", dict, where)
-    st = Stats()
-    for k, v in asdict(Stats()).items():
-        if k in raw_stats and raw_stats[k] is not None:
-            if isinstance(v, int) and not isinstance(v, bool) and k not in ("hit_rate", "overlap"):
-                setattr(st, k, _need(raw_stats, k, int, f"{where}.stats"))
-            else:
-                setattr(st, k, _need(raw_stats, k, float, f"{where}.stats"))
-    finish = _need(d, "finish_reason", str, where, optional=True, default="")
-    if finish and finish not in FINISH_REASONS:
-        raise TraceError(f"{where}.finish_reason must be one of {', '.join(FINISH_REASONS)}")
-    return Trace(
-        mode=mode,
-        bundle=bundle,
-        config=config,
-        prompt_text=prompt_text,
-        prompt_ids=prompt_ids,
-        output_ids=output_ids,
-        output_text=output_text,
-        first_token=first_token,
-        rounds=rounds,
-        spans=spans,
-        stats=st,
-        finish_reason=finish,
-        device=_need(d, "device", str, where, optional=True, default="cpu")[:40],
-        version=version,
-    )
+    version = d.get("version", TRACE_VERSION)
+    if version != TRACE_VERSION or isinstance(version, bool):
+        raise TraceError(f"{where}: unsupported trace version {str(version)[:20]} (this app reads version {TRACE_VERSION})")
+    try:
+        return TRACE_SCHEMA.validate_python(d)
+    except ValidationError as e:
+        raise TraceError(_explain(e.errors(include_url=False)[0], where)) from None
+
+
+def _explain(err: dict, where: str) -> str:
+    """One pydantic error -> ``trace.rounds[3].accepted must be an integer`` (the wording the app shows)."""
+    path = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"] if not str(p).startswith("function-"))
+    kind, ctx = err["type"], err.get("ctx", {})
+    if kind == "missing":
+        parent, _, name = path.rpartition(".")
+        return f"{parent}: missing field '{name}'"
+    words = {
+        "int_type": "must be an integer", "bool_type": "must be true or false", "string_type": "must be text",
+        "float_type": "must be a finite number", "finite_number": "must be a finite number", "list_type": "must be a list",
+        "dict_type": "must be an object", "dataclass_type": "must be an object", "none_required": "must be null",
+    }
+    if kind in words:
+        return f"{path} {words[kind]}"
+    if kind == "literal_error":
+        return f"{path} must be one of {ctx.get('expected', '')}"
+    if kind == "too_long":
+        return f"{path} has {ctx.get('actual_length', 'too many')} items, limit {ctx.get('max_length')}"
+    if kind in ("greater_than_equal", "less_than"):
+        return f"{path} must be an integer token id in [0, 10000000)"
+    if kind == "value_error":
+        return f"{path} {ctx.get('error', err['msg'])}"
+    return f"{path}: {err['msg']}"
 
 
 # ----------------------------------------------------------------------------- derived numbers
