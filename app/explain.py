@@ -13,7 +13,7 @@ holds on *this* machine is measured in the **Benchmarks** tab (cost breakdown).
 
 def intro(costs: Optional[dict]) -> str:
     """The AR section, quoting this machine's measured verify(B) / step from the shipped cost
-    breakdown (python -m d3d_core.costs) instead of the GPU rule of thumb."""
+    breakdown (python -m d3d_core.measure.costs) instead of the GPU rule of thumb."""
     rows = [r for r in (costs or {}).get("rows", []) if r["threads"] == max(x["threads"] for x in costs["rows"])] if costs else []
     ver = {r["B"]: r for r in rows if r["forward"].startswith("verify(") or r["forward"] == "step"}
     if 1 not in ver or 8 not in ver:
@@ -84,7 +84,7 @@ Skipping a drafter layer passes its residual stream through unchanged: the draft
 drafts may match the target less often. **Offline τ** measures that quickly without decoding: teacher-force
 the target's own greedy continuation, draft a block at many anchors, count leading matches + 1. The
 greedy progression drops, at each step, the layer whose removal costs the least τ. A short **healing**
-fine-tune (`python -m d3d_core.prune --heal 1`) then trains the remaining layers with the removed ones
+fine-tune (`python -m d3d_core.training.prune --heal 1`) then trains the remaining layers with the removed ones
 skipped; the curve marks healed points as diamonds, measured against the unpruned drafter fine-tuned
 for the same number of steps (the fair reference: a drafter that is not fully trained improves with any
 extra training). With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block

@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime as _dt
 import html
 
-from d3d_core.economics import race_economics
-from d3d_core.trace import MODES, traces_to_json
+from d3d_core.decoding.trace import MODES, traces_to_json
+from d3d_core.measure.economics import race_economics
 
 from . import figures
 from .tokens import ar_time_per_token, column_html, legend_html

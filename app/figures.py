@@ -12,8 +12,8 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
-from d3d_core.economics import race_economics
-from d3d_core.trace import Trace, idle_time, overlap_share
+from d3d_core.decoding.trace import Trace, idle_time, overlap_share
+from d3d_core.measure.economics import race_economics
 
 # Okabe-Ito
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
@@ -45,7 +45,7 @@ def timeline_figure(traces: list, projected: Optional[str] = None) -> go.Figure:
     """Gantt chart in ms: lanes target / drafter per mode, spans coloured by kind, hits ✓ and
     misses ✗ marked at the end of each d3d-async verify, all modes on one time axis
     (each measured from its own start). ``projected``: the cost profile the traces were re-timed
-    with (d3d_core.clock) — then the title, the legend and every hover say so."""
+    with (d3d_core.measure.clock) — then the title, the legend and every hover say so."""
     traces = [t for t in traces if t is not None]
     tag = " (projected)" if projected else ""
     if not traces:
@@ -204,7 +204,7 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Fig
     two panels side by side, because a longer block raises τ but also the verify cost. d3d-seq and
     d3d-async share τ exactly (same drafter, same verify), so d3d-seq's τ line is dashed and wider."""
     if not sweep:
-        return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.bench --block-sizes …).")
+        return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.measure.bench --block-sizes …).")
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("τ (tokens per round)", "speedup vs ar (same run)"), horizontal_spacing=0.12)
@@ -376,7 +376,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
     """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
     user's current toggle choice."""
     if not curve or not curve.get("curve"):
-        return _empty("Progressive pruning", "No pruning curve for this bundle yet (python -m d3d_core.prune …).")
+        return _empty("Progressive pruning", "No pruning curve for this bundle yet (python -m d3d_core.training.prune …).")
     pts = curve["curve"]
     fig = go.Figure(go.Scatter(
         x=[p["removed"] for p in pts], y=[p["tau"] for p in pts], mode="lines+markers", name="greedy pruning",
@@ -507,12 +507,12 @@ PART_LABELS = {"layer_gemm": "layer GEMMs", "attention": "attention", "lm_head":
 
 
 def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) -> go.Figure:
-    """Stacked bars: where each forward's wall time goes (python -m d3d_core.costs), with the
+    """Stacked bars: where each forward's wall time goes (python -m d3d_core.measure.costs), with the
     machine's bound (bytes / bandwidth or FLOPs / GEMM rate) as a diamond — the gap between a bar
     and its diamond is what a faster engine could still win."""
     title = "Cost of each forward on this machine"
     if not costs or not costs.get("rows"):
-        return _empty(title, "No cost breakdown shipped for this bundle yet (python -m d3d_core.costs).")
+        return _empty(title, "No cost breakdown shipped for this bundle yet (python -m d3d_core.measure.costs).")
     th = threads or max(r["threads"] for r in costs["rows"])
     rows = [r for r in costs["rows"] if r["threads"] == th]
     names = [r["forward"] for r in rows]

@@ -396,7 +396,7 @@ def soak_figure(doc: dict):
 
 
 def run(cfg: SoakConfig, out: Path) -> dict:
-    from d3d_core.machine import machine_info
+    from d3d_core.measure.machine import machine_info
 
     server = None if cfg.url else Server(cfg.temp_max_age_s)
     url = cfg.url or server.url
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
     if cfg.visitors < 1 or cfg.races < 0 or cfg.overload < 0:
         print("error: --visitors must be ≥ 1, --races and --overload ≥ 0", file=sys.stderr)
         return 2
-    from d3d_core.bundles import cache_dir
+    from d3d_core.models.bundles import cache_dir
 
     out = Path(args.out) if args.out else cache_dir() / "soak" / time.strftime("%Y%m%d-%H%M%S")
     doc = run(cfg, out)

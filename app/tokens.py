@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from typing import Optional
 
-from d3d_core.trace import Trace
+from d3d_core.decoding.trace import Trace
 
 CSS = """
 <style>

@@ -12,9 +12,9 @@ import time
 import gradio as gr
 
 from d3d_core import service
+from d3d_core.decoding.trace import MODES
 from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
-from d3d_core.economics import race_economics
-from d3d_core.trace import MODES
+from d3d_core.measure.economics import race_economics
 
 from . import explain, figures, health
 from .export import race_html, traces_json_of
@@ -465,13 +465,13 @@ def build_demo() -> gr.Blocks:
                     p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
                 p_load = gr.Button("Reload layers and curve")
             with gr.Tab("Benchmarks", id="benchmarks"):
-                gr.Markdown("**Measured** by `python -m d3d_core.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
+                gr.Markdown("**Measured** by `python -m d3d_core.measure.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
                             "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
                             "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
                 v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(service.DEFAULT_BUNDLE)
                 b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
                 b_table = gr.Dataframe(v_table, label="Measured (bench command)", interactive=False)
-                gr.Markdown("**Where the time goes** (`python -m d3d_core.costs`): each forward's wall time split into the layer GEMMs, "
+                gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
                             "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
                             "Speculation pays when verify(B) costs about one step and a draft a small fraction of one.")
                 b_cprov = gr.Markdown(v_cprov)
@@ -486,7 +486,7 @@ def build_demo() -> gr.Blocks:
                         b_ds = gr.Dropdown(v_ds, value="all", label="Acceptance histogram of dataset")
                         b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
                     b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
-                gr.Markdown("**Projected** with the latency model (`d3d_core/latency.py`): sequential round = T_draft + T_verify, async round = "
+                gr.Markdown("**Projected** with the latency model (`d3d_core/measure/latency.py`): sequential round = T_draft + T_verify, async round = "
                             "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe "
                             "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")

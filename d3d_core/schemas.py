@@ -14,9 +14,9 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import SAMPLING_RULES, DecodeConfig
+from .decoding.config import SAMPLING_RULES, DecodeConfig
+from .decoding.trace import MODES
 from .limits import APP_BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
-from .trace import MODES
 
 
 def explain(e: ValidationError, what: str, titles: Optional[dict] = None) -> str:
@@ -138,7 +138,7 @@ class CurvePoint(_Open):
 
 
 class PruneCurve(_Open):
-    """``python -m d3d_core.prune``: greedy least-harm layer removal, one point per removed layer."""
+    """``python -m d3d_core.training.prune``: greedy least-harm layer removal, one point per removed layer."""
 
     layers: int = Field(ge=1)
     block_size: int
@@ -196,7 +196,7 @@ class BenchSummary(_Open):
 
 
 class BenchResult(_Open):
-    """``python -m d3d_core.bench``: settings, provenance (machine, engine, quiet), rows and summary."""
+    """``python -m d3d_core.measure.bench``: settings, provenance (machine, engine, quiet), rows and summary."""
 
     config: dict
     machine: dict = {}

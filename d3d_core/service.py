@@ -11,13 +11,15 @@ import json
 import threading
 from typing import Iterator, Optional
 
-from .bundles import ASSETS, BUNDLES, DEFAULT_BUNDLE, get_bundle, warm_up
-from .config import DecodeConfig
-from .engine import iter_decode
-from .trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
-
+from .decoding.config import DecodeConfig
+from .decoding.engine import iter_decode, warm_up
+from .decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
 from .limits import APP_LIMITS
+from .measure.clock import retime_all
+from .measure.latency import PRESETS, async_profile, per_token_ms
+from .models.bundles import ASSETS, BUNDLES, DEFAULT_BUNDLE, get_bundle
 from .schemas import AppSettings, checked
+from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
 
 def settings(mode="d3d-async", block_size=8, temperature=0.0, max_new_tokens=128, hypotheses=4,
@@ -148,7 +150,7 @@ def _asset_json(*parts, schema: Optional[str] = None) -> Optional[dict]:
 
 
 def pruning_curve(bundle_name: str) -> Optional[dict]:
-    """The precomputed progressive-pruning curve (python -m d3d_core.prune), if shipped."""
+    """The precomputed progressive-pruning curve (python -m d3d_core.training.prune), if shipped."""
     return _asset_json("pruning", f"{bundle_name}.json", schema="pruning curve")
 
 
@@ -191,15 +193,12 @@ MEASURED_CLOCK = "measured here"
 
 def clock_names() -> list:
     """The Timeline's clocks: the run as measured, or re-timed under a latency-model profile."""
-    from .latency import PRESETS
 
     return [MEASURED_CLOCK] + [n for n in PRESETS if "measured" not in n]
 
 
 def retimed(traces: list, clock: str) -> tuple:
     """(traces, projected profile name or None) for the chosen clock; ValueError for an unknown one."""
-    from .clock import retime_all
-    from .latency import PRESETS
 
     if clock in (None, "", MEASURED_CLOCK):
         return traces, None
@@ -209,8 +208,6 @@ def retimed(traces: list, clock: str) -> tuple:
 
 
 def clock_assumptions(clock: str) -> str:
-    from .latency import PRESETS
-
     if clock in (None, "", MEASURED_CLOCK):
         return "Span lengths as measured on this machine during the run (synchronised clock of both lanes)."
     p = PRESETS.get(clock)
@@ -224,7 +221,7 @@ def clock_assumptions(clock: str) -> str:
 
 
 def cost_breakdown(bundle_name: str) -> Optional[dict]:
-    """The shipped cost breakdown (python -m d3d_core.costs), if any."""
+    """The shipped cost breakdown (python -m d3d_core.measure.costs), if any."""
     return _asset_json("bench", f"{bundle_name}-costs.json")
 
 
@@ -248,15 +245,12 @@ def provenance(result: Optional[dict]) -> str:
 
 
 def cost_profiles() -> dict:
-    from .latency import PRESETS
-
     return dict(PRESETS)
 
 
 def project(profile_name: str, B: int, tau: float, hit_rate: float, H: int, verify_x: float = 1.0, draft_x: float = 1.0,
             packed_x: float = 1.0) -> list:
     """Model-based per-token latency and speedup of each mode under a cost profile."""
-    from .latency import PRESETS, async_profile, per_token_ms
 
     if profile_name not in PRESETS:
         raise ValueError(f"unknown cost profile {profile_name!r}; choose one of {', '.join(PRESETS)}")
@@ -281,7 +275,6 @@ LIVE_TAU_BLOCK = 8
 def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
     """(offline τ with these D3D layers skipped, τ with every layer) on the bundle's small
     calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
-    from .offline_tau import calibration_set, offline_tau
 
     b = get_bundle(bundle_name)
     d = b.drafter("d3d")
@@ -309,8 +302,6 @@ def drafter_layer_ms(bundle_name: str) -> Optional[float]:
 
 
 def calibration_size(bundle_name: str) -> int:
-    from .offline_tau import anchors_for, calibration_set
-
     return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
 
 

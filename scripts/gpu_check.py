@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from d3d_core.bundles import BUNDLES, Bundle, choose_attention, init_drafter  # noqa: E402
-from d3d_core.config import DecodeConfig  # noqa: E402
-from d3d_core.costs import probe_costs  # noqa: E402
-from d3d_core.engine import decode  # noqa: E402
-from d3d_core.target import Target  # noqa: E402
-from d3d_core.tokenizer import CharTokenizer  # noqa: E402
-from d3d_core.trace import MODES  # noqa: E402
+from d3d_core.decoding.config import DecodeConfig  # noqa: E402
+from d3d_core.decoding.engine import decode  # noqa: E402
+from d3d_core.decoding.trace import MODES  # noqa: E402
+from d3d_core.measure.costs import probe_costs  # noqa: E402
+from d3d_core.models.bundles import BUNDLES, Bundle, choose_attention, init_drafter  # noqa: E402
+from d3d_core.models.target import Target  # noqa: E402
+from d3d_core.models.tokenizer import CharTokenizer  # noqa: E402
 
 SHAPES = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128),

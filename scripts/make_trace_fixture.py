@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from d3d_core.bundles import get_bundle  # noqa: E402
-from d3d_core.config import DecodeConfig  # noqa: E402
-from d3d_core.engine import decode  # noqa: E402
-from d3d_core.trace import MODES, traces_to_json  # noqa: E402
+from d3d_core.decoding.config import DecodeConfig  # noqa: E402
+from d3d_core.decoding.engine import decode  # noqa: E402
+from d3d_core.decoding.trace import MODES, traces_to_json  # noqa: E402
+from d3d_core.models.bundles import get_bundle  # noqa: E402
 
 PROMPT = "what is two plus two?"
 SETTINGS = dict(block_size=4, max_new_tokens=40, hypotheses=8)

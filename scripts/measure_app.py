@@ -23,8 +23,6 @@ sys.path.insert(0, str(ROOT))
 from app.soak import free_port  # noqa: E402
 
 
-
-
 def rss_kb(pid: int, field: str = "VmHWM") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

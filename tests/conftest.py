@@ -20,21 +20,21 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def toy():
-    from d3d_core.bundles import get_bundle
+    from d3d_core.models.bundles import get_bundle
 
     return get_bundle("toy")
 
 
 @pytest.fixture(scope="session")
 def toy_qwen3():
-    from d3d_core.bundles import get_bundle
+    from d3d_core.models.bundles import get_bundle
 
     return get_bundle("toy-qwen3")
 
 
 @pytest.fixture(scope="session")
 def smollm():
-    from d3d_core.bundles import get_bundle
+    from d3d_core.models.bundles import get_bundle
 
     return get_bundle("smollm2-135m")
 

@@ -7,7 +7,6 @@ import pytest
 from conftest import api_message
 
 
-
 @pytest.fixture(scope="module")
 def client(app_server):
     from gradio_client import Client

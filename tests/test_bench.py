@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from d3d_core import bench
-from d3d_core.datasets import BENCHMARKS, load_benchmark, load_training_prompts
+from d3d_core.measure import bench
+from d3d_core.measure.datasets import BENCHMARKS, load_benchmark, load_training_prompts
 
 FIX = Path(__file__).parent / "fixtures" / "datasets"
 
@@ -100,8 +100,8 @@ def test_block_size_sweep_and_histograms(tmp_path):
 
 
 def test_mt_bench_second_turn_uses_the_targets_own_first_answer(toy):
-    from d3d_core.bench import item_ids
-    from d3d_core.config import DecodeConfig
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.measure.bench import item_ids
 
     it = load_benchmark("mt_bench_2turn", n=1, root=str(FIX))[0]
     assert it.meta["needs_first_answer"] and it.messages[1]["content"] == ""
@@ -120,7 +120,7 @@ def test_torchrun_two_processes_equal_one_process(tmp_path):
     one = tmp_path / "one.json"
     two = tmp_path / "two.json"
     assert bench.main(args + ["--out", str(one)]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", "-m", "d3d_core.bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", "-m", "d3d_core.measure.bench",
            *args, "--out", str(two)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).resolve().parent.parent))
     assert p.returncode == 0, p.stderr[-3000:]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from d3d_core.bundles import BUNDLES, init_drafter
-from d3d_core.drafters import evenly_spaced, load_drafter
+from d3d_core.models.bundles import BUNDLES, init_drafter
+from d3d_core.models.drafters import evenly_spaced, load_drafter
 
 
 def test_evenly_spaced_matches_dflash_choice():
@@ -59,8 +59,8 @@ def test_qwen3_drafter_has_qk_norm(toy_qwen3):
 
 
 def test_build_shortlist_keeps_the_most_frequent_and_end_tokens():
-    from d3d_core.offline_tau import CalibSeq
-    from d3d_core.shortlist import build_shortlist, coverage
+    from d3d_core.training.offline_tau import CalibSeq
+    from d3d_core.training.shortlist import build_shortlist, coverage
 
     ex = [{"response_ids": [5, 5, 5, 7, 7, 9]}, {"response_ids": [5, 7, 11]}]
     ids = build_shortlist(ex, 2, always=[2])
@@ -71,7 +71,7 @@ def test_build_shortlist_keeps_the_most_frequent_and_end_tokens():
 
 
 def test_shortlist_round_trips_through_save_and_load(toy, tmp_path):
-    from d3d_core.drafters import load_drafter
+    from d3d_core.models.drafters import load_drafter
 
     d = toy.drafter("d3d").shortlisted([1, 4, 9])
     d.save(tmp_path / "d")

@@ -2,12 +2,12 @@
 
 import pytest
 
-from d3d_core.clock import retime
-from d3d_core.config import DecodeConfig
-from d3d_core.economics import economics, race_economics
-from d3d_core.engine import decode
-from d3d_core.latency import PRESETS
-from d3d_core.trace import MODES, Span, traces_from_json
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.trace import MODES, Span, traces_from_json
+from d3d_core.measure.clock import retime
+from d3d_core.measure.economics import economics, race_economics
+from d3d_core.measure.latency import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_economics_without_ar_has_no_yardstick(race):
 
 
 def test_hand_made_spans_split_exactly():
-    from d3d_core.trace import Round, Stats, Trace
+    from d3d_core.decoding.trace import Round, Stats, Trace
 
     rounds = [Round(i, 10 + 3 * i, 5, [1, 2], [0.5, 0.5], [1, 2, 3], 2, 3, [1, 2, 3]) for i in range(2)]
     spans = [Span("target", "prefill", -1, 0, 10),

@@ -6,12 +6,12 @@ import contextlib
 import pytest
 import torch
 
-from d3d_core import fastops
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
-from d3d_core.machine import QuietWatch
-from d3d_core.target import StaticKV
-from d3d_core.trace import MODES
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.trace import MODES
+from d3d_core.measure.machine import QuietWatch
+from d3d_core.models import fastops
+from d3d_core.models.target import StaticKV
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def test_fused_linear_equals_separate_and_repacks_after_update():
 
 
 def test_cost_breakdown_parts_add_up_to_wall(toy):
-    from d3d_core.costs import PARTS, breakdown
+    from d3d_core.measure.costs import PARTS, breakdown
 
     res = breakdown(toy, ctx_len=32, block_sizes=(2, 4), hypotheses=(1, 2), threads=(1,), repeats=2, B_draft=4)
     names = [r["forward"] for r in res["rows"]]
@@ -142,7 +142,7 @@ def test_cost_breakdown_parts_add_up_to_wall(toy):
 
 
 def test_quiet_watch_flags_a_busy_machine(monkeypatch):
-    import d3d_core.machine as m
+    import d3d_core.measure.machine as m
 
     w = QuietWatch()
     q = w.stop()
@@ -157,8 +157,8 @@ def test_quiet_watch_flags_a_busy_machine(monkeypatch):
 
 
 def test_peers_run_and_compare_with_ar(toy):
-    from d3d_core.datasets import Item
-    from d3d_core.peers import run_peer
+    from d3d_core.measure.datasets import Item
+    from d3d_core.measure.peers import run_peer
 
     ids = toy.tokenizer.encode_prompt("count: 1, 2, 3")
     cfg = DecodeConfig(mode="ar", max_new_tokens=20, stop_at_eos=False)
@@ -182,7 +182,7 @@ def test_real_bundle_fast_and_eager_agree(smollm):
 
 
 def test_overlap_crossover_measures_every_depth(toy):
-    from d3d_core.costs import _crossing, overlap_crossover
+    from d3d_core.measure.costs import _crossing, overlap_crossover
 
     c = overlap_crossover(toy, depths=(1, 2, 4), B=4, ctx_len=16, repeats=2)
     assert [r["depth"] for r in c["rows"]] == [1, 2, 4]
@@ -200,7 +200,7 @@ def test_row_buckets_are_few_cover_every_size_and_keep_results():
     change what a linear computes."""
     import torch.nn as nn
 
-    from d3d_core import fastops
+    from d3d_core.models import fastops
 
     sizes = {fastops.row_bucket(m) for m in range(1, 8193)}
     assert len(sizes) < 100 and all(fastops.row_bucket(m) == m for m in range(1, 33))

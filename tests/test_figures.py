@@ -8,7 +8,7 @@ import pytest
 
 from app import figures
 from app.tokens import column_html, legend_html
-from d3d_core.trace import traces_from_json
+from d3d_core.decoding.trace import traces_from_json
 
 FIX = Path(__file__).parent / "fixtures" / "toy_traces.json"
 
@@ -20,7 +20,7 @@ def traces():
 
 @pytest.fixture(scope="module")
 def pieces(traces):
-    from d3d_core.tokenizer import CharTokenizer
+    from d3d_core.models.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     return {i: s for i, s in enumerate(tok.itos)}

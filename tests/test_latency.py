@@ -2,7 +2,7 @@
 
 import pytest
 
-from d3d_core.latency import PRESETS, CostProfile, async_profile, contention, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
+from d3d_core.measure.latency import PRESETS, CostProfile, async_profile, contention, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
 
 P = CostProfile(name="synthetic", source="test", assumptions="round numbers", t_step_ms=10.0,
                 t_verify_ms={1: 10.0, 8: 14.0, 16: 18.0}, t_draft_d3d_ms={8: 4.0, 16: 6.0}, t_draft_dflash_ms={8: 2.0, 16: 3.0},
@@ -82,7 +82,7 @@ def test_contention_from_a_concurrent_probe():
 
 
 def test_in_run_validation_uses_the_runs_own_span_costs():
-    from d3d_core.latency import validate_in_run
+    from d3d_core.measure.latency import validate_in_run
 
     sp = lambda **kw: {k: {"mean": v, "n": 10} for k, v in kw.items()}  # noqa: E731
     rows = [
@@ -104,7 +104,7 @@ def test_in_run_validation_uses_the_runs_own_span_costs():
 
 
 def test_project_bench_uses_measured_tau_per_profile():
-    from d3d_core.latency import project_bench
+    from d3d_core.measure.latency import project_bench
 
     res = {"config": {"decode": {"block_size": 8, "hypotheses": 4}},
            "summary": [{"dataset": "average", "mode": "ar", "tau": 1.0},
@@ -115,7 +115,7 @@ def test_project_bench_uses_measured_tau_per_profile():
 
 
 def test_projection_skips_peers_without_tau():
-    from d3d_core.latency import project_bench
+    from d3d_core.measure.latency import project_bench
 
     res = {"config": {"decode": {"block_size": 8, "hypotheses": 4}},
            "summary": [{"dataset": "gsm8k", "mode": "ar", "tau": 1.0}, {"dataset": "gsm8k", "mode": "d3d-seq", "tau": 2.0},

@@ -1,21 +1,36 @@
-"""The package's shape: no import circle inside d3d_core, counting imports inside functions too."""
+"""The package's shape: subpackages by purpose, no import circle inside d3d_core (counting imports
+inside functions too), and no d3d_core import tucked inside a function (that only hides a circle)."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "d3d_core"
+LAYERS = ["limits", "models", "decoding", "schemas", "measure", "training", "service"]  # each may import only those before it
+
+
+def module_name(f: Path) -> str:
+    parts = f.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def internal_imports(f: Path):
+    """(node, absolute module) for every import of a d3d_core module in file f."""
+    here = module_name(f).split(".")
+    if f.name != "__init__.py":
+        here = here[:-1]  # the package the file lives in
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            if node.module:
+                yield node, ".".join(base + node.module.split("."))
+            else:
+                for a in node.names:
+                    yield node, ".".join(base + [a.name])
 
 
 def import_graph() -> dict:
-    mods = {p.stem for p in PKG.glob("*.py")}
-    g = {}
-    for f in PKG.glob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        g[f.stem] = deps & mods
-    return g
+    mods = {module_name(f) for f in PKG.rglob("*.py")}
+    return {module_name(f): {m for _, m in internal_imports(f) if m in mods} for f in PKG.rglob("*.py")}
 
 
 def find_cycle(g: dict):
@@ -48,3 +63,31 @@ def test_no_import_circle_in_d3d_core():
 def test_the_checker_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_layers_import_only_downwards():
+    """models < decoding < schemas < measure < training < service (the app's facade): a part never reaches up."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    up = []
+    for mod, deps in import_graph().items():
+        a = mod.split(".")[1] if "." in mod else None
+        for d in deps:
+            b = d.split(".")[1]
+            if a in rank and rank[b] > rank[a]:
+                up.append(f"{mod} -> {d}")
+    assert not up, up
+
+
+def test_no_internal_import_inside_a_function():
+    hidden = []
+    for f in PKG.rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        top_lines = {n.lineno for n in tree.body if isinstance(n, ast.ImportFrom)}
+        for node, mod in internal_imports(f):
+            if node.lineno not in top_lines:
+                hidden.append(f"{module_name(f)}:{node.lineno} imports {mod}")
+    assert not hidden, hidden
+
+
+def test_every_part_has_its_package():
+    assert {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == {"models", "decoding", "measure", "training"}

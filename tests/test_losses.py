@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from d3d_core.bundles import BUNDLES, init_drafter
-from d3d_core.losses import HeadLoss, SoftTargets, block_targets
-from d3d_core.offline_tau import greedy_continuations
-from d3d_core.softlabels import SoftLabelCache, soft_rows, target_topk
-from d3d_core.train import PRESETS, d3d_block_terms, d3d_loss, head_shortlist, sample_anchors, to_seq, train
+from d3d_core.models.bundles import BUNDLES, init_drafter
+from d3d_core.training.losses import HeadLoss, SoftTargets, block_targets
+from d3d_core.training.offline_tau import greedy_continuations
+from d3d_core.training.softlabels import SoftLabelCache, soft_rows, target_topk
+from d3d_core.training.train import PRESETS, d3d_block_terms, d3d_loss, head_shortlist, sample_anchors, to_seq, train
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
 

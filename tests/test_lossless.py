@@ -2,9 +2,9 @@
 
 import pytest
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
-from d3d_core.trace import MODES
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.trace import MODES
 
 PROMPTS = ["what is two plus two?", "write a short poem about rain", "count: 1, 2, 3"]
 

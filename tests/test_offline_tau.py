@@ -2,9 +2,9 @@
 
 import pytest
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
-from d3d_core.offline_tau import CalibSeq, d3d_block_logits, dflash_block_logits, greedy_continuations, offline_tau
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.training.offline_tau import CalibSeq, d3d_block_logits, dflash_block_logits, greedy_continuations, offline_tau
 
 
 @pytest.mark.parametrize("mode", ["d3d-seq", "dflash"])
@@ -26,8 +26,8 @@ def test_offline_drafts_equal_decode_drafts(toy, mode):
 def test_offline_tau_counts_leading_matches(toy):
     """The value, computed independently: at every anchor a fresh drafter cache holds the committed
     context, the engine's own d3d_draft drafts the block, and leading matches + 1 are averaged."""
-    from d3d_core.engine import d3d_draft, d3d_prefill
-    from d3d_core.offline_tau import anchors_for
+    from d3d_core.decoding.engine import d3d_draft, d3d_prefill
+    from d3d_core.training.offline_tau import anchors_for
 
     seqs = greedy_continuations(toy, ["hello", "tell me a story"], 40)
     d, B = toy.drafter("d3d"), 4
@@ -49,7 +49,7 @@ def test_offline_tau_counts_leading_matches(toy):
 def test_offline_tau_on_sequences_built_to_accept_k_drafts(toy):
     """One anchor per sequence whose continuation agrees with the drafter's own block for exactly
     k tokens (k = 0 … B-1): offline τ must be the mean of k + 1, i.e. 2.5 for B = 4."""
-    from d3d_core.engine import d3d_draft, d3d_prefill
+    from d3d_core.decoding.engine import d3d_draft, d3d_prefill
 
     d, B = toy.drafter("d3d"), 4
     prompt, anchor = toy.tokenizer.encode_prompt("count: 1, 2, 3"), 7
@@ -70,7 +70,7 @@ def test_offline_tau_on_sequences_built_to_accept_k_drafts(toy):
 def test_cli_scores_drafters_and_pairs_them_with_the_first(toy, tmp_path, monkeypatch, capsys):
     import json
 
-    from d3d_core.offline_tau import main
+    from d3d_core.training.offline_tau import main
 
     monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
     seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "count to ten"], 40)

@@ -2,8 +2,8 @@
 
 import torch
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import d3d_draft, d3d_packed, d3d_prefill, decode, make_hypotheses
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import d3d_draft, d3d_packed, d3d_prefill, decode, make_hypotheses
 
 
 def test_packed_pass_equals_each_hypothesis_alone(toy):
@@ -38,7 +38,7 @@ def test_packed_pass_equals_each_hypothesis_alone(toy):
 def test_hypotheses_are_scored_and_sorted():
     V, B = 10, 4
     q = torch.softmax(torch.randn(B, V, generator=torch.Generator().manual_seed(1)), -1)
-    from d3d_core.engine import Draft
+    from d3d_core.decoding.engine import Draft
 
     d = Draft(q[: B - 1].argmax(-1).tolist(), q)
     hyps = make_hypotheses(d, B, 5)

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from d3d_core import service
-from d3d_core.tokenizer import clean_prompt
-from d3d_core.trace import Trace, TraceError, traces_from_json
+from d3d_core.decoding.trace import Trace, TraceError, traces_from_json
+from d3d_core.models.tokenizer import clean_prompt
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),

@@ -1,7 +1,7 @@
 """Progressive pruning on the toy bundle returns a well-formed curve."""
 
-from d3d_core.offline_tau import greedy_continuations, offline_tau
-from d3d_core.prune import best_within, progressive_prune
+from d3d_core.training.offline_tau import greedy_continuations, offline_tau
+from d3d_core.training.prune import best_within, progressive_prune
 
 
 def test_curve_is_well_formed(toy):
@@ -29,8 +29,8 @@ def test_curve_is_well_formed(toy):
 def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path):
     import torch
 
-    from d3d_core.drafters import load_drafter
-    from d3d_core.prune import heal
+    from d3d_core.models.drafters import load_drafter
+    from d3d_core.training.prune import heal
 
     d = toy.drafter("d3d")
     seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "hello", "count to ten", "say hi", "abc"], 40)
@@ -57,7 +57,7 @@ def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path
 def test_paired_ratio_ci():
     import pytest
 
-    from d3d_core.offline_tau import paired_ratio_ci
+    from d3d_core.training.offline_tau import paired_ratio_ci
 
     base = [(30.0, 20), (50.0, 20), (24.0, 12), (40.0, 16)]
     assert paired_ratio_ci(base, base) == [1.0, 1.0]
@@ -76,7 +76,7 @@ def test_paired_ratio_ci():
 def test_held_out_intervals_can_be_added_to_an_older_curve(toy):
     import pytest
 
-    from d3d_core.prune import add_held_out_ci
+    from d3d_core.training.prune import add_held_out_ci
 
     d = toy.drafter("d3d")
     seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "hello", "count to ten"], 40)

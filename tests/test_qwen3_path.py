@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from d3d_core.bundles import load_qwen3_bundle, register_bundle
-from d3d_core.checkpoints import load_zlab_dflash, save_zlab_dflash
-from d3d_core.config import DecodeConfig
-from d3d_core.drafters import DFlashDrafter, DrafterConfig, evenly_spaced
-from d3d_core.engine import decode
-from d3d_core.trace import MODES
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.trace import MODES
+from d3d_core.models.bundles import load_qwen3_bundle, register_bundle
+from d3d_core.models.checkpoints import load_zlab_dflash, save_zlab_dflash
+from d3d_core.models.drafters import DFlashDrafter, DrafterConfig, evenly_spaced
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"

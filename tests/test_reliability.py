@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import api_message, free_port
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
-from d3d_core.trace import MODES
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.trace import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=list(MODES), block_size=4, temperature=0, max_new_tokens=32,
@@ -67,7 +67,7 @@ def test_lone_surrogates_and_control_characters_are_dropped(toy):
     tr = decode(toy, "\udc80hi\x07 there\ud800", DecodeConfig(mode="ar", max_new_tokens=4))
     assert tr.prompt_text == "\udc80hi\x07 there\ud800"  # what the user typed is kept for display...
     assert toy.tokenizer.encode_prompt("\udc80hi\x07 there\ud800") == toy.tokenizer.encode_prompt("hi there")  # ...not encoded
-    from d3d_core.trace import Trace
+    from d3d_core.decoding.trace import Trace
 
     Trace.from_json(tr.to_json())  # and the trace still serialises
 
@@ -120,7 +120,7 @@ def test_hostile_trace_uploads_get_messages(server, tmp_path):
 
 
 def test_bad_drafter_files(toy, tmp_path):
-    from d3d_core.drafters import load_drafter
+    from d3d_core.models.drafters import load_drafter
 
     d = toy.drafter("d3d")
     d.save(tmp_path / "ok")
@@ -282,9 +282,9 @@ def no_pickle(*a, **k):
 torch.load = no_pickle
 os.environ.pop("HF_HUB_OFFLINE", None)  # nothing may *need* the hub, offline flag or not
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-from d3d_core.bundles import get_bundle
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
+from d3d_core.models.bundles import get_bundle
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
 b = get_bundle("smollm2-135m")
 for m in ["ar", "dflash", "d3d-seq", "d3d-async"]:
     decode(b, "Say hello.", DecodeConfig(mode=m, max_new_tokens=8))

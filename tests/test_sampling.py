@@ -4,9 +4,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
-from d3d_core.sampling import accept_match, accept_rejection, probs
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.sampling import accept_match, accept_rejection, probs
 
 
 def _chi2(counts: dict, expected: dict, n: int) -> float:

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from d3d_core import service
-from d3d_core.bundles import ASSETS
 from d3d_core.limits import APP_LIMITS
+from d3d_core.models.bundles import ASSETS
 from d3d_core.schemas import AppSettings, checked
 
 

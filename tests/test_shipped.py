@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from d3d_core.bundles import ASSETS
-from d3d_core.offline_tau import calibration_set, offline_tau
+from d3d_core.models.bundles import ASSETS
+from d3d_core.training.offline_tau import calibration_set, offline_tau
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode, iter_decode
-from d3d_core.trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode, iter_decode
+from d3d_core.decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_async_drafter_overlaps_verify(toy, traces, monkeypatch):
     (as any real target is), every packed draft runs while verify runs."""
     import time
 
-    import d3d_core.engine as engine
+    import d3d_core.decoding.engine as engine
 
     real_verify, real_packed = toy.target.verify, engine.d3d_packed
 

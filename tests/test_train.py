@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from d3d_core.drafters import load_drafter
-from d3d_core.offline_tau import greedy_continuations
-from d3d_core.train import PRESETS, d3d_loss, sample_anchors, to_seq, train
+from d3d_core.models.drafters import load_drafter
+from d3d_core.training.offline_tau import greedy_continuations
+from d3d_core.training.train import PRESETS, d3d_loss, sample_anchors, to_seq, train
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color",
            "how are you?", "write a poem", "what is one plus one?", "say hi"]
@@ -23,7 +23,7 @@ def _mean_block_loss(drafter, toy, examples, cfg, teacher=None):
     """Mean block loss over the examples; with a teacher and kd_alpha = 1 that is the mean KL."""
     import random
 
-    from d3d_core.train import dflash_loss
+    from d3d_core.training.train import dflash_loss
 
     tot = 0.0
     with torch.no_grad():
@@ -39,7 +39,7 @@ def _mean_block_loss(drafter, toy, examples, cfg, teacher=None):
 
 @pytest.mark.parametrize("kind", ["d3d", "dflash"])
 def test_loss_falls_and_tau_is_recorded(toy, examples, tmp_path, kind):
-    from d3d_core.bundles import BUNDLES, init_drafter
+    from d3d_core.models.bundles import BUNDLES, init_drafter
 
     cfg = replace(PRESETS["toy"], kind=kind, layers=1 if kind == "dflash" else 2, steps=40, lr=1e-3, eval_every=20, ckpt_every=20)
     res = train(toy, examples, cfg, tmp_path / kind, progress=False)
@@ -78,8 +78,8 @@ def test_dflash_feature_cache_gives_the_same_loss(toy, examples):
     """The cached (fp16) target features give the loss a fresh target forward gives."""
     import random
 
-    from d3d_core.bundles import BUNDLES, init_drafter
-    from d3d_core.train import dflash_loss
+    from d3d_core.models.bundles import BUNDLES, init_drafter
+    from d3d_core.training.train import dflash_loss
 
     cfg = replace(PRESETS["toy"], kind="dflash", layers=1)
     drafter = init_drafter("dflash", toy.target, BUNDLES["toy"], num_layers=1, block_size=cfg.block_size)
@@ -98,7 +98,7 @@ def test_distillation_from_a_teacher_pulls_the_pruned_drafter_towards_it(toy, ex
     drafter fine-tuned that way moves towards the unpruned teacher's block distributions."""
     import random
 
-    from d3d_core.bundles import BUNDLES, init_drafter
+    from d3d_core.models.bundles import BUNDLES, init_drafter
 
     cfg = replace(PRESETS["toy"], steps=30, lr=1e-3, kd_alpha=1.0, ar_lambda=0.0, eval_every=30, ckpt_every=30)
     teacher = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=cfg.layers, block_size=cfg.block_size)
@@ -117,7 +117,7 @@ def test_distillation_from_a_teacher_pulls_the_pruned_drafter_towards_it(toy, ex
 def test_cli_fine_tunes_a_saved_drafter(toy, examples, tmp_path, capsys):
     import json
 
-    from d3d_core.train import main
+    from d3d_core.training.train import main
 
     data = tmp_path / "distill"
     data.mkdir()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from d3d_core.bundles import get_bundle
-from d3d_core.config import DecodeConfig
-from d3d_core.engine import decode
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.models.bundles import get_bundle
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_emoji_and_rtl_survive(toy):
 
 
 def test_missing_and_broken_drafter_files(tmp_path, toy):
-    from d3d_core.drafters import load_drafter
+    from d3d_core.models.drafters import load_drafter
 
     with pytest.raises(FileNotFoundError, match="missing config.json, model.safetensors"):
         load_drafter(tmp_path, toy.target.shared, toy.target.arch)

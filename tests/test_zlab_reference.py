@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d_core.checkpoints import load_zlab_dflash
-from d3d_core.target import Target
+from d3d_core.models.checkpoints import load_zlab_dflash
+from d3d_core.models.target import Target
 
 FIX = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "dflash-public-tiny"
 pytestmark = pytest.mark.skipif(not (FIX / "expected.safetensors").is_file(), reason="shared/fixtures/dflash-public-tiny not present")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from .limits import MAX_PROMPT_CHARS
+from ..limits import MAX_PROMPT_CHARS
 
 
 def clean_prompt(text) -> str:

@@ -1,6 +1,6 @@
 """Self-distillation data: the target's own greedy responses to training prompts.
 
-    python -m d3d_core.distill --bundle smollm2-135m --data-dir ../shared/datasets \\
+    python -m d3d_core.training.distill --bundle smollm2-135m --data-dir ../shared/datasets \\
         --max-new-tokens 256 --batch-size 24 --target-tokens 1000000
 
 Prompts come only from training files (gsm8k train, mbpp train ids 601-974, alpaca).
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .bundles import cache_dir, get_bundle
-from .datasets import load_training_prompts
+from ..measure.datasets import load_training_prompts
+from ..models.bundles import cache_dir, get_bundle
 
 
 def distill_dir(bundle: str) -> Path:
@@ -77,7 +77,7 @@ def generate_batch(target, tok, prompts: list, max_new_tokens: int) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.distill", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.distill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None, help="default: $D3D_CACHE/distill/<bundle>")

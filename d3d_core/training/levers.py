@@ -1,7 +1,7 @@
 """Training-recipe levers, compared at equal CPU time on held-out prompts.
 
-    python -m d3d_core.levers cost --threads 1                 # ms per training sequence, per recipe
-    python -m d3d_core.levers run --minutes 10 --threads 1     # equal-time runs + paired held-out τ
+    python -m d3d_core.training.levers cost --threads 1                 # ms per training sequence, per recipe
+    python -m d3d_core.training.levers run --minutes 10 --threads 1     # equal-time runs + paired held-out τ
 
 ``cost`` times one forward + backward of the D3D loss per recipe on the same training sequences
 and counts the supervised positions, so "signal per FLOP" is a number, not a hope. ``run`` trains one
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .bundles import BUNDLES, cache_dir, get_bundle, init_drafter
+from ..measure.machine import machine_info
+from ..models.bundles import BUNDLES, cache_dir, get_bundle, init_drafter
+from ..models.drafters import load_drafter
 from .distill import distill_dir, read_examples
-from .drafters import load_drafter
 from .losses import HeadLoss
 from .offline_tau import held_out_set, offline_tau, paired_ratio_ci
 from .softlabels import SoftLabelCache
@@ -111,7 +112,6 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
     doc = {"minutes_per_recipe": minutes, "threads": torch.get_num_threads(), "held_out": f"{eval_n} benchmark continuations × {eval_tokens} tokens",
            "train_examples": len(split_holdout(examples, TrainConfig.max_len)[0]),
            "train_tokens": sum(len(e["response_ids"]) for e in examples), "results": results}
-    from .machine import machine_info
 
     doc["machine"] = machine_info()
     out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +120,7 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.levers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.levers", description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["cost", "run"])
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     bundle = get_bundle(args.bundle)
     examples = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
     if len(examples) < 8:
-        print("error: too little self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
+        print("error: too little self-distillation data; run python -m d3d_core.training.distill first", file=sys.stderr)
         return 2
     if args.what == "cost":
         rows = {n: step_cost(bundle, examples, recipe_config(n)) for n in names}

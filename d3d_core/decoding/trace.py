@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
 
-from .limits import MAX_TRACE_BLOCK, MAX_TRACE_BYTES, MAX_TRACE_HYPOTHESES, MAX_TRACE_ROUNDS, MAX_TRACE_SPANS, MAX_TRACE_TOKENS
+from ..limits import MAX_TRACE_BLOCK, MAX_TRACE_BYTES, MAX_TRACE_HYPOTHESES, MAX_TRACE_ROUNDS, MAX_TRACE_SPANS, MAX_TRACE_TOKENS
 
 TRACE_VERSION = 1
 LANES = ("target", "drafter")

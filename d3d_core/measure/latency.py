@@ -125,7 +125,7 @@ def profile_from_probe(costs: dict, name: str = "this machine (measured)") -> Co
     """A profile from the bench's --cost-probe result. Sequential modes use the all-core
     verify; d3d-async uses the one-thread-per-lane verify it actually runs with."""
     return CostProfile(
-        name=name, source="python -m d3d_core.bench --cost-probe (median of repeated runs)",
+        name=name, source="python -m d3d_core.measure.bench --cost-probe (median of repeated runs)",
         assumptions=f"context {costs.get('ctx_len')} tokens; sequential modes use {costs.get('threads')} threads; "
                     "the async verify runs on 1 thread (its cost is in extra['verify_1thread_ms'])",
         t_step_ms=float(costs["step_ms"]),
@@ -191,7 +191,7 @@ def _gpu_profile(name, params_b, layers, hidden, vocab, bw_tbs, overhead_ms, d3d
 PRESETS = {
     "cpu-epyc-2core (measured)": CostProfile(
         name="cpu-epyc-2core (measured)",
-        source="python -m d3d_core.costs on this project's 2-core AMD EPYC, SmolLM2-135M fp32, fast engine "
+        source="python -m d3d_core.measure.costs on this project's 2-core AMD EPYC, SmolLM2-135M fp32, fast engine "
                "(assets/bench/smollm2-135m-costs.json, quiet machine)",
         assumptions="300-token context, median of repeated forwards; sequential modes 2 threads, async 1 thread per lane; "
                     "the draft was probed at B = 8 and is used for every B (a draft's cost is nearly flat in B: the rows are "
@@ -288,14 +288,14 @@ def project_bench(result: dict, profiles: Optional[dict] = None, B: Optional[int
 
 
 def main(argv=None) -> int:
-    """python -m d3d_core.latency BENCH.json: project a measured bench onto every cost profile."""
+    """python -m d3d_core.measure.latency BENCH.json: project a measured bench onto every cost profile."""
     import argparse
     import json
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.latency", description="Project a bench result's measured τ and hit "
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.measure.latency", description="Project a bench result's measured τ and hit "
                                  "rate onto every cost profile (model-based, not measured).")
-    ap.add_argument("bench", help="a bench JSON (python -m d3d_core.bench --out …)")
+    ap.add_argument("bench", help="a bench JSON (python -m d3d_core.measure.bench --out …)")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--hypotheses", type=int, default=None)
     args = ap.parse_args(argv)

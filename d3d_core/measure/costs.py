@@ -19,9 +19,13 @@ from typing import Optional
 
 import torch
 
-from .config import DecodeConfig
-from .engine import d3d_draft, d3d_packed, d3d_prefill, dflash_draft
-from .timing import cpu_threads
+from ..decoding.config import DecodeConfig
+from ..decoding.engine import d3d_draft, d3d_packed, d3d_prefill, dflash_draft
+from ..decoding.timing import cpu_threads
+from ..models import fastops
+from ..models.bundles import BUNDLES, get_bundle, init_drafter
+from ..models.fastops import ATTENTION, LM_HEAD
+from .machine import QuietWatch, machine_info
 
 
 def _prefilled(target, ctx_len: int, g: torch.Generator) -> tuple:
@@ -147,7 +151,7 @@ def costs_text(c: dict) -> str:
 
 # ----------------------------------------------------------------------------- the cost breakdown
 #
-#     python -m d3d_core.costs --bundle smollm2-135m --out results/costs.json
+#     python -m d3d_core.measure.costs --bundle smollm2-135m --out results/costs.json
 #
 # For every forward the modes run (step(1), verify(B), the D3D draft, the packed pass for H
 # hypotheses, the DFlash draft), at 1 and 2 threads: wall ms, the share spent in the layer
@@ -188,8 +192,6 @@ def _profile_parts(fn, wall_ms: float, repeats: int = 3) -> dict:
     wall time — Python, small ops, dispatch — so the profiler's own overhead is not counted in it.
     Should the profiled parts exceed the wall time, they are scaled down to it."""
     from torch.profiler import ProfilerActivity, profile
-
-    from .fastops import ATTENTION, LM_HEAD
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
@@ -261,7 +263,6 @@ def overlap_crossover(bundle, depths=(8, 16, 30), B: int = 8, H: int = 1, ctx_le
     draft, all threads) against one async round (verify(B) ‖ packed pass, one thread each, plus
     ``1 - hit_rate`` of a one-thread sync draft), at equal τ. ``crossover`` is the draft / verify
     cost ratio (all threads) where the two rounds cost the same, interpolated between depths."""
-    from .bundles import BUNDLES, init_drafter
 
     target = bundle.target
     g = torch.Generator().manual_seed(0)
@@ -330,11 +331,7 @@ def main(argv=None) -> int:
     import sys
     from pathlib import Path
 
-    from . import fastops
-    from .machine import QuietWatch, machine_info
-    from .bundles import get_bundle
-
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.costs", description="What each forward costs on this machine, and where the time goes.")
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.measure.costs", description="What each forward costs on this machine, and where the time goes.")
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--ctx", type=int, default=300, help="context length the forwards run at")
     ap.add_argument("--repeats", type=int, default=5)

@@ -1,6 +1,6 @@
 """Benchmark command: τ, speed and losslessness of every mode on real prompt sets.
 
-    python -m d3d_core.bench --bundle smollm2-135m --modes ar,dflash,d3d-seq,d3d-async \\
+    python -m d3d_core.measure.bench --bundle smollm2-135m --modes ar,dflash,d3d-seq,d3d-async \\
         --data-dir ../shared/datasets --datasets gsm8k,mt_bench --n 5 \\
         --max-new-tokens 128 --block-size 8 --temperature 0 --out results.json
 
@@ -22,14 +22,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from . import fastops
-from .config import DecodeConfig
+from ..decoding.config import DecodeConfig
+from ..decoding.engine import decode
+from ..decoding.trace import MODES
+from ..models import fastops
+from ..models.bundles import get_bundle
+from ..models.drafters import load_drafter
+from ..schemas import checked
+from .costs import costs_text, probe_costs
+from .datasets import load_benchmark, parse_datasets
+from .latency import validate, validate_in_run
 from .machine import QuietWatch, machine_info
 from .peers import PEERS, run_peer
-from .schemas import checked
 from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
-from .trace import MODES
-
 
 
 def row_of(item, trace, ref_ids: Optional[list]) -> dict:
@@ -146,7 +151,6 @@ def write_outputs(out: Path, result: dict) -> list:
 
 def item_ids(bundle, it, base: DecodeConfig) -> list:
     """Prompt ids of an item; MT-Bench's second turn first gets the target's own turn-1 answer."""
-    from .engine import decode
 
     msgs = [dict(m) for m in it.messages]
     if it.meta.get("needs_first_answer"):
@@ -160,8 +164,6 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
     """Decode every item with every mode (item-major; ar once per item, drafting modes once
     per block size, then each peer once). Returns per-(item, mode, block size) rows."""
     from tqdm import tqdm
-
-    from .engine import decode
 
     drafters = drafters or {}
     block_sizes = block_sizes or [base.block_size]
@@ -214,7 +216,7 @@ def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list) -> d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m d3d_core.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m d3d_core.measure.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", default="smollm2-135m")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
     p.add_argument("--data-dir", default=None, help="directory in the layout of shared/datasets (or $D3D_DATA_DIR)")
@@ -243,8 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .bundles import get_bundle
-    from .datasets import load_benchmark, parse_datasets
 
     try:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -305,12 +305,9 @@ def main(argv=None) -> int:
     if len(block_sizes) > 1:
         result["sweep"] = sweep_table(rows, datasets, modes, block_sizes)
     if args.cost_probe:
-        from .costs import probe_costs
-        from .latency import validate
 
         result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
         result["latency_model"] = validate(result)
-    from .latency import validate_in_run
 
     result["latency_model_in_run"] = validate_in_run(result)
     written = write_outputs(Path(args.out), result)
@@ -323,7 +320,6 @@ def main(argv=None) -> int:
         for m, pts in result["sweep"].items():
             print(f"  {m:10s} " + "  ".join(f"B={b}: {v['tau']:.2f} / {_fmt(v['speedup'])}x" for b, v in pts.items()))
     if args.cost_probe:
-        from .costs import costs_text
 
         print()
         print(costs_text(result["costs"]))
@@ -379,7 +375,6 @@ class Dist:
 
 def load_override_drafters(bundle, args) -> dict:
     """Drafters given by path / pruning flags, keyed by the modes that use them."""
-    from .drafters import load_drafter
 
     out = {}
     d3d = bundle.drafter("d3d")

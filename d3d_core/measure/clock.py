@@ -19,8 +19,8 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from ..decoding.trace import Span, Trace
 from .latency import CostProfile, async_costs, async_profile, draft_ms
-from .trace import Span, Trace
 
 
 def retime(trace: Trace, profile: CostProfile) -> Trace:

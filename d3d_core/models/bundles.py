@@ -15,14 +15,13 @@ import importlib.util
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .config import DecodeConfig
+from .checkpoints import load_zlab_dflash
 from .drafters import (
     DrafterConfig,
     _DrafterBase,
@@ -30,12 +29,10 @@ from .drafters import (
     evenly_spaced,
     load_drafter,
 )
-from .engine import decode
 from .target import Target
 from .tokenizer import CharTokenizer, HFChatTokenizer
-from .trace import MODES
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # d3d_core/models/bundles.py -> the repo root
 SMOLLM_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -145,17 +142,6 @@ def _load(name: str, device: str) -> Bundle:
             info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
         drafters[kind] = d
     return Bundle(name, target, tok, drafters, info, spec.description)
-
-
-def warm_up(bundle: Bundle) -> float:
-    """Run every mode once on a few tokens, so that one-time work (the fast engine packs each weight on
-    its first use, allocators grow) is paid before a timed decode, never inside one. The app calls it
-    before a bundle's first race; the bench warms up the same way. Returns the seconds it took."""
-    t = time.perf_counter()
-    ids = list(range(3, 3 + min(8, bundle.target.arch.vocab_size - 3)))
-    for mode in MODES:
-        decode(bundle, ids, DecodeConfig(mode=mode, max_new_tokens=3, block_size=4, hypotheses=2, stop_at_eos=False))
-    return time.perf_counter() - t
 
 
 def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8) -> DrafterConfig:
@@ -358,8 +344,6 @@ def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d:
     from the target when not given). bf16 on CUDA, fp32 on CPU. Never runs remote code
     unless trust_remote_code is set by the caller."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .checkpoints import load_zlab_dflash
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)

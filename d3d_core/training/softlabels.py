@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..models.bundles import cache_dir
 from .losses import SoftTargets
 
 
@@ -75,8 +76,6 @@ def soft_rows(topk: tuple, positions: torch.Tensor, temperature: float = 1.0) ->
 
 
 def cache_root(bundle: str) -> Path:
-    from .bundles import cache_dir
-
     return cache_dir() / "softlabels" / bundle
 
 

@@ -1,9 +1,9 @@
 """Train a drafter on the target's own responses (self-distillation), resumably.
 
-    python -m d3d_core.train --kind d3d --bundle smollm2-135m --layers 8 --block-size 8 \\
+    python -m d3d_core.training.train --kind d3d --bundle smollm2-135m --layers 8 --block-size 8 \\
         --steps 4000 --out runs/d3d-8L
-    python -m d3d_core.train --kind dflash --layers 2 --steps 4000 --out runs/dflash-2L
-    python -m d3d_core.train --init assets/drafters/smollm2-135m/d3d --steps 400 --lr 3e-4 --out runs/d3d-more
+    python -m d3d_core.training.train --kind dflash --layers 2 --steps 4000 --out runs/dflash-2L
+    python -m d3d_core.training.train --init assets/drafters/smollm2-135m/d3d --steps 400 --lr 3e-4 --out runs/d3d-more
 
 Both drafters see the same data, the same random anchors inside responses and the same
 weighted block loss ``w_k = exp(-(k-1)/γ)`` on block positions 1..B-1 (D3D also on its
@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .drafters import D3DDrafter, DFlashDrafter
+from ..models.bundles import BUNDLES, get_bundle, init_drafter
+from ..models.drafters import D3DDrafter, DFlashDrafter, build_drafter
+from .distill import distill_dir, read_examples
 from .losses import HeadLoss, block_position_weights, block_targets, weighted_mean
-from .offline_tau import CalibSeq, dflash_anchor_logits, offline_tau, target_features
+from .offline_tau import CalibSeq, dflash_anchor_logits, load_any_drafter, offline_tau, target_features
 from .softlabels import SoftLabelCache, soft_rows
 from .softlabels import cache_root as softlabel_root
 
@@ -277,9 +279,6 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     the same schedule) — for sessions shorter than a run, and for comparing recipes at equal steps."""
     from tqdm import tqdm
 
-    from .bundles import BUNDLES, init_drafter
-    from .drafters import build_drafter
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -307,7 +306,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     soft = SoftLabelCache(softlabel_root(bundle.name), bundle.target, cfg.soft_k) if cfg.soft_k > 0 else None
     held = held[: cfg.eval_seqs]
     if not train_ex:
-        raise ValueError("no training examples (run python -m d3d_core.distill first)")
+        raise ValueError("no training examples (run python -m d3d_core.training.distill first)")
     if not held:
         held = [to_seq(e, cfg.max_len) for e in train_ex[: cfg.eval_seqs]]
 
@@ -386,7 +385,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
@@ -399,8 +398,6 @@ def main(argv=None) -> int:
     for f, default in asdict(TrainConfig()).items():
         ap.add_argument("--" + f.replace("_", "-"), type=type(default), default=None)
     args = ap.parse_args(argv)
-    from .bundles import get_bundle
-    from .distill import distill_dir, read_examples
 
     cfg = PRESETS[args.preset] if args.preset else TrainConfig()
     cfg = replace(cfg, **{f: getattr(args, f) for f in asdict(cfg) if getattr(args, f) is not None})
@@ -410,11 +407,10 @@ def main(argv=None) -> int:
     data = Path(args.data) if args.data else distill_dir(args.bundle)
     examples = read_examples(data)
     if not examples:
-        print("error: no self-distillation data; run python -m d3d_core.distill first", file=sys.stderr)
+        print("error: no self-distillation data; run python -m d3d_core.training.distill first", file=sys.stderr)
         return 2
     init = None
     if args.init:
-        from .offline_tau import load_any_drafter
 
         try:
             init, _ = load_any_drafter(args.init, bundle)

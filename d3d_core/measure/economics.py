@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .trace import Trace, busy_intervals, intersect_length
+from ..decoding.trace import Trace, busy_intervals, intersect_length
 
 
 @dataclass(frozen=True)

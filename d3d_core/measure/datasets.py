@@ -50,7 +50,7 @@ def data_dir(explicit: Optional[str] = None) -> Path:
     if d:
         return Path(d)
     # default: the workplace's shared datasets beside the repo, if present
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # the repo root
     for cand in (here.parent / "shared" / "datasets", here / "data"):
         if cand.is_dir():
             return cand

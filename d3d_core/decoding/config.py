@@ -6,9 +6,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
+from ..limits import BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
 from .trace import MODES
-
-from .limits import BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
 
 SAMPLING_RULES = ("match", "rejection")
 

@@ -1,6 +1,6 @@
 """Progressive layer pruning of the D3D drafter, measured with offline τ.
 
-    python -m d3d_core.prune --bundle smollm2-135m --calib 16 --eval 16 --block-size 8 \\
+    python -m d3d_core.training.prune --bundle smollm2-135m --calib 16 --eval 16 --block-size 8 \\
         --out assets/pruning/smollm2-135m.json
 
 Greedy: at each step drop the layer whose removal costs the least offline τ on the
@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .offline_tau import CalibSeq, held_out_set, offline_tau, paired_ratio_ci
-from .schemas import checked
+from ..models.bundles import ASSETS, cache_dir, get_bundle
+from ..models.drafters import load_drafter
+from ..schemas import checked
+from .distill import distill_dir, read_examples
+from .offline_tau import CALIB_PROMPTS, CalibSeq, greedy_continuations, held_out_set, offline_tau, paired_ratio_ci
 from .train import TrainConfig, split_holdout, train
 
 
@@ -124,7 +127,6 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
 
     ``kd`` = α > 0 also distils the unpruned drafter's block distributions into each one
     (loss (1-α)·CE + α·KL, see ``train.d3d_loss``); the control gets the same recipe."""
-    from .drafters import load_drafter
 
     L = drafter.cfg.num_layers
     base_skip = set(drafter.cfg.skip_layers)
@@ -173,7 +175,7 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.prune", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--drafter", default=None, help="D3D drafter directory (default: the bundle's)")
     ap.add_argument("--data", default=None, help="distill directory for calibration (default $D3D_CACHE/distill/<bundle>)")
@@ -204,11 +206,6 @@ def main(argv=None) -> int:
         print(f"error: --heal wants a comma list of integers, got {args.heal!r}", file=sys.stderr)
         return 2
     from tqdm import tqdm
-
-    from .bundles import ASSETS, get_bundle
-    from .distill import distill_dir, read_examples
-    from .drafters import load_drafter
-    from .offline_tau import CALIB_PROMPTS, greedy_continuations
 
     bundle = get_bundle(args.bundle)
     drafter = bundle.drafter("d3d")
@@ -245,7 +242,6 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(checked("pruning curve", curve), indent=1))  # the greedy curve survives a killed healing run
     if heal_ks:
-        from .bundles import cache_dir
 
         out_heal = Path(args.heal_out) if args.heal_out else cache_dir() / "runs" / f"heal-{args.bundle}"
         try:

@@ -10,13 +10,17 @@ temperature 0 this equals the τ a real decode would see on that continuation.
 from __future__ import annotations
 
 import json
-
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from .drafters import D3DDrafter, DFlashDrafter
+from ..decoding.config import DecodeConfig
+from ..decoding.engine import decode
+from ..measure.datasets import BENCHMARKS, data_dir, load_benchmark
+from ..models.bundles import ASSETS, cache_dir, get_bundle
+from ..models.drafters import D3DDrafter, DFlashDrafter, DrafterConfig, build_drafter, load_drafter
+from .distill import generate_batch
 
 
 @dataclass
@@ -131,8 +135,6 @@ _CALIB_LOCK = threading.Lock()
 
 def greedy_continuations(bundle, prompts: list, max_new_tokens: int = 96) -> list:
     """The target's greedy continuations of prompts (chat template), as CalibSeq."""
-    from .config import DecodeConfig
-    from .engine import decode
 
     out = []
     for p in prompts:
@@ -145,8 +147,6 @@ def calibration_set(bundle, max_new_tokens: int = 96) -> list:
     """A small calibration set for live τ in the app: shipped for the bundle when present
     (assets/calibration/<bundle>.json), else made once from the target and kept in memory."""
     import json
-
-    from .bundles import ASSETS
 
     with _CALIB_LOCK:
         if bundle.name in _CALIB:
@@ -167,8 +167,6 @@ def calibration_set(bundle, max_new_tokens: int = 96) -> list:
 def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed: int = 1) -> list:
     """The target's greedy continuations of n benchmark prompts (round-robin over the seven
     benchmarks, a different shuffle from the bench's), batched: prompts no calibration saw."""
-    from .datasets import BENCHMARKS, load_benchmark
-    from .distill import generate_batch
 
     pools = [load_benchmark(b, n, seed=seed, root=root) for b in BENCHMARKS if b != "mt_bench_2turn"]
     items = [pool[i] for i in range(n) for pool in pools if i < len(pool)][:n]
@@ -184,10 +182,8 @@ def benchmark_continuations(bundle, root: str, n: int, max_new_tokens: int, seed
 
 def held_out_set(bundle, root, n: int, max_new_tokens: int) -> tuple:
     """``benchmark_continuations`` cached under $D3D_CACHE/eval/<bundle>-n<n>-t<tokens>.json (the
-    target's greedy continuations take minutes on a CPU; pruning and ``python -m d3d_core.offline_tau``
+    target's greedy continuations take minutes on a CPU; pruning and ``python -m d3d_core.training.offline_tau``
     share the file, so both score drafters on the same sequences). Returns (seqs, path)."""
-    from .bundles import cache_dir
-    from .datasets import data_dir
 
     f = cache_dir() / "eval" / f"{bundle.name}-n{n}-t{max_new_tokens}.json"
     if f.is_file():
@@ -205,8 +201,6 @@ def load_any_drafter(path, bundle):
     checkpoint directory (ckpt/: state.json + drafter.safetensors)."""
     import json
     from pathlib import Path
-
-    from .drafters import DrafterConfig, build_drafter, load_drafter
 
     p = Path(path)
     if (p / "ckpt" / "state.json").is_file():
@@ -227,7 +221,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.offline_tau", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.offline_tau", description=main.__doc__.split("\n")[0])
     ap.add_argument("drafters", nargs="+", help="drafter directories or training run / checkpoint directories")
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--data-dir", default=None, help="benchmark prompts (layout of shared/datasets)")
@@ -236,7 +230,6 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--stride", type=int, default=2)
     args = ap.parse_args(argv)
-    from .bundles import get_bundle
 
     bundle = get_bundle(args.bundle)
     seqs, f = held_out_set(bundle, args.data_dir, args.n, args.tokens)

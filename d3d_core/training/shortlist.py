@@ -1,7 +1,7 @@
 """A vocabulary shortlist for a drafter's LM head (drafting speed on a CPU).
 
-    python -m d3d_core.shortlist --drafter assets/drafters/smollm2-135m/d3d --size 8192
-    python -m d3d_core.shortlist --drafter ... --source references --data-dir ../shared/datasets
+    python -m d3d_core.training.shortlist --drafter assets/drafters/smollm2-135m/d3d --size 8192
+    python -m d3d_core.training.shortlist --drafter ... --source references --data-dir ../shared/datasets
 
 The drafter then scores only the K most frequent tokens of the target's own responses in the
 self-distillation data (``--source distill``), or of the training files' human-written reference
@@ -18,6 +18,13 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+
+from ..measure.datasets import load_training_references
+from ..models.bundles import get_bundle
+from ..models.drafters import load_drafter
+from .distill import distill_dir, read_examples
+from .offline_tau import calibration_set, offline_tau
+from .train import split_holdout
 
 
 def build_shortlist(examples: list, size: int, always=()) -> tuple:
@@ -38,7 +45,7 @@ def coverage(shortlist, seqs: list) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m d3d_core.shortlist", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.training.shortlist", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
     ap.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors); config.json is rewritten")
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
@@ -49,18 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", type=int, default=16, help="held-out sequences for coverage / offline τ")
     ap.add_argument("--dry-run", action="store_true", help="report only, do not write")
     args = ap.parse_args(argv)
-    from .bundles import get_bundle
-    from .distill import distill_dir, read_examples
-    from .drafters import load_drafter
-    from .offline_tau import offline_tau
-    from .train import split_holdout
 
     bundle = get_bundle(args.bundle)
     d = Path(args.drafter)
     drafter = load_drafter(d, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     if args.source == "references":
-        from .datasets import load_training_references
-        from .offline_tau import calibration_set
 
         train_ex = [{"response_ids": bundle.tokenizer.encode_prompt(t, chat=False)} for t in load_training_references(args.data_dir)]
         held = calibration_set(bundle)[: args.eval]  # the target's own continuations, never counted
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         train_ex, held = split_holdout(ex, 384)
         held = held[: args.eval]
     if not train_ex or not held:
-        print("error: no self-distillation data (python -m d3d_core.distill) — or use --source references", file=sys.stderr)
+        print("error: no self-distillation data (python -m d3d_core.training.distill) — or use --source references", file=sys.stderr)
         return 2
     ids = build_shortlist(train_ex, args.size, bundle.tokenizer.eos_ids) if args.size else ()
     kw = dict(B=8, stride=4, target=bundle.target)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from . import fastops
-from .fastops import ATTENTION, LM_HEAD
 from .drafters import ArchConfig, SharedParts
+from .fastops import ATTENTION, LM_HEAD
 
 ENGINES = ("fast", "eager")
 
