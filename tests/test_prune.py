@@ -15,7 +15,9 @@ def test_curve_is_well_formed(toy):
     assert c["curve"][0]["tau_rel"] == 1.0 and c["curve"][0]["kept"] == list(range(L))
     assert sorted(c["order"] + c["curve"][-1]["kept"]) == list(range(L))
     for k, p in enumerate(c["curve"]):
-        assert p["removed"] == k and len(p["kept"]) == L - k and "tau_eval" in p
+        assert p["removed"] == k and len(p["kept"]) == L - k
+        pruned = d.pruned([i for i in range(L) if i not in p["kept"]])  # each point re-measured on its own
+        assert p["tau"] == offline_tau(pruned, calib, B=4, stride=2) and p["tau_eval"] == offline_tau(pruned, evals, B=4, stride=2)
         lo, hi = p["tau_eval_rel_ci"]  # a paired interval that holds its own point
         assert lo - 1e-9 <= p["tau_eval_rel"] <= hi + 1e-9
     assert c["curve"][0]["tau_eval_rel_ci"] == [1.0, 1.0] and c["ci"]["level"] == 0.95
@@ -39,11 +41,18 @@ def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path
     c = progressive_prune(d, calib, evals, B=4, stride=2)
     heal(toy, d, c, [1], examples, calib, evals, tmp_path, steps=6, lr=1e-3, B=4, stride=2, progress=False)
     h = c["curve"][1]["healed"]
-    assert h["steps"] == 6 and 1.0 <= h["tau"] <= 4 and "tau_eval_rel" in h
-    assert h["tau_eval_rel_ci"][0] - 1e-9 <= h["tau_eval_rel"] <= h["tau_eval_rel_ci"][1] + 1e-9
-    ctl = c["heal_control"]
-    assert h["tau_rel"] == h["tau"] / ctl["tau"] and c["heal_reference"] == "heal_control"
     healed = load_drafter(tmp_path / "removed-1" / "final", toy.target.shared, toy.target.arch)
+    control = load_drafter(tmp_path / "control" / "final", toy.target.shared, toy.target.arch)
+
+    def tau(drafter, seqs):  # measured here, independently of heal()'s bookkeeping
+        return offline_tau(drafter, seqs, B=4, stride=2, target=toy.target)
+
+    assert h["steps"] == 6 and h["tau"] == tau(healed, calib) and h["tau_eval"] == tau(healed, evals)
+    ctl = c["heal_control"]
+    assert ctl["tau"] == tau(control, calib) and ctl["tau_eval"] == tau(control, evals)
+    assert h["tau_rel"] == h["tau"] / ctl["tau"] and h["tau_eval_rel"] == h["tau_eval"] / ctl["tau_eval"]
+    assert h["tau_eval_rel_ci"][0] - 1e-9 <= h["tau_eval_rel"] <= h["tau_eval_rel_ci"][1] + 1e-9
+    assert c["heal_reference"] == "heal_control"
     gone = c["order"][0]
     assert list(healed.cfg.skip_layers) == [gone] and healed.cfg.training["fine_tuned_from"] is not None
     before, after = d.state_dict(), healed.state_dict()
