@@ -42,29 +42,21 @@ def explain(e: ValidationError, what: str, titles: Optional[dict] = None) -> str
 # ----------------------------------------------------------------------------- the app's settings
 
 
-def _whole(v):
-    """A widget value -> int: 8, 8.0 and "8" are 8; 8.5, "eight", True and NaN are refused."""
+def _number(v, whole: bool = False):
+    """A widget value -> float (or int when ``whole``): 8, 8.0 and "8" are 8; "eight", True and NaN are
+    refused, and so is 8.5 where a whole number is wanted."""
+    kind = "whole number" if whole else "number"
     if isinstance(v, bool):
-        raise ValueError("must be a whole number")
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"must be a number, got {str(v)[:30]!r}") from None
-    if not math.isfinite(f) or f != int(f):
-        raise ValueError(f"must be a whole number, got {str(v)[:30]}")
-    return int(f)
-
-
-def _number(v):
-    if isinstance(v, bool):
-        raise ValueError("must be a number")
+        raise ValueError(f"must be a {kind}")
     try:
         f = float(v)
     except (TypeError, ValueError):
         raise ValueError(f"must be a number, got {str(v)[:30]!r}") from None
     if not math.isfinite(f):
-        raise ValueError(f"must be a finite number, got {str(v)[:30]}")
-    return f
+        raise ValueError(f"must be a finite {kind}, got {str(v)[:30]}")
+    if whole and f != int(f):
+        raise ValueError(f"must be a whole number, got {str(v)[:30]}")
+    return int(f) if whole else f
 
 
 # the app's ranges (smaller than the engine's DecodeConfig.validated ones): d3d_core/limits.py
@@ -93,7 +85,7 @@ class AppSettings(BaseModel):
     @field_validator("block_size", "max_new_tokens", "hypotheses", "seed", mode="before")
     @classmethod
     def _ints(cls, v):
-        return _whole(v)
+        return _number(v, whole=True)
 
     @field_validator("temperature", mode="before")
     @classmethod
