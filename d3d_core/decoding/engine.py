@@ -33,11 +33,31 @@ from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
 @dataclass
 class Draft:
     ids: list  # d_1..d_{B-1}
-    q: torch.Tensor  # (B-1 [+1 lookahead], V) drafter distributions (temperature-scaled when T > 0)
+    q: torch.Tensor  # (B-1 [+1 lookahead], K) drafter distributions over `vocab` (temperature-scaled when T > 0)
+    vocab: Optional[torch.Tensor] = None  # (K,) ascending token ids of q's columns (a shortlist); None: all V
+    vocab_size: int = 0  # V
+
+    def col(self, token: int) -> int:
+        """q's column of a token (-1 when the shortlist does not hold it: its q is 0)."""
+        if self.vocab is None:
+            return token
+        c = int(torch.searchsorted(self.vocab, token))
+        return c if c < len(self.vocab) and int(self.vocab[c]) == token else -1
+
+    def token(self, col: int) -> int:
+        return col if self.vocab is None else int(self.vocab[col])
 
     @property
     def probs(self) -> list:
-        return [float(self.q[j, d]) for j, d in enumerate(self.ids)]
+        return [float(self.q[j, c]) if c >= 0 else 0.0 for j, c in enumerate(map(self.col, self.ids))]
+
+    def dense(self) -> torch.Tensor:
+        """(n, V) distributions, zero off the shortlist (what rejection sampling compares with p)."""
+        if self.vocab is None:
+            return self.q
+        out = self.q.new_zeros(self.q.shape[0], self.vocab_size)
+        out[:, self.vocab] = self.q
+        return out
 
 
 @dataclass
@@ -51,14 +71,18 @@ class PackedResult:
 
 
 def _drafts_from_hidden(drafter, h_blocks: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator) -> list:
-    """h_blocks: (nb, L, H) -> one Draft per block (positions 1..L-1)."""
-    logits = drafter.logits(h_blocks[:, 1:]).float()  # (nb, L-1, V)
+    """h_blocks: (nb, L, H) -> one Draft per block (positions 1..L-1), computed over the shortlist's
+    K columns when the drafter has one (softmax, argmax and sampling over K, not the whole V)."""
+    logits, vocab = drafter.draft_logits(h_blocks[:, 1:])  # (nb, L-1, K)
+    logits = logits.float()
+    vocab = vocab.cpu() if vocab is not None else None
     out = []
     B = cfg.block_size
     for b in range(logits.shape[0]):
         q = probs(logits[b], cfg.temperature).cpu()
-        ids = choose(logits[b, : B - 1], cfg.temperature, gen).tolist()
-        out.append(Draft(ids, q))
+        cols = choose(logits[b, : B - 1], cfg.temperature, gen).cpu()
+        ids = (cols if vocab is None else vocab[cols]).tolist()
+        out.append(Draft(ids, q, vocab, drafter.cfg.arch.vocab_size))
     return out
 
 
@@ -87,27 +111,28 @@ def make_hypotheses(draft: Draft, B: int, H: int) -> list:
     lookahead slot q_B. Returns [(a, t, score)] best first."""
     q = draft.q
     eps = 1e-12
-    d = draft.ids
-    pd = torch.tensor([float(q[j, d[j]]) for j in range(B - 1)])
+    d = [draft.col(t) for t in draft.ids]  # q's columns of the drafts (-1: off the shortlist, q = 0)
+    pd = torch.tensor([float(q[j, d[j]]) if d[j] >= 0 else 0.0 for j in range(B - 1)])
     prefix = torch.cat([torch.zeros(1), torch.cumsum(torch.log(pd + eps), 0)])  # prefix[a] = sum_{j<a+1..}
     cands = []
     for a in range(B - 1):
         row = q[a].clone()
-        p_rej = 1.0 - float(row[d[a]])
-        row[d[a]] = 0.0
+        p_rej = 1.0 - float(pd[a])
+        if d[a] >= 0:
+            row[d[a]] = 0.0
         s = row.sum()
         if s <= 0:
             continue
         row = row / s
         top = torch.topk(row, min(H, row.numel()))
         base = float(prefix[a]) + math.log(max(p_rej, eps))
-        for p, t in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((base + math.log(p + eps), a, t))
+        for p, c in zip(top.values.tolist(), top.indices.tolist()):
+            cands.append((base + math.log(p + eps), a, draft.token(c)))
     if q.shape[0] >= B:  # lookahead slot present (D3D)
         top = torch.topk(q[B - 1], min(H, q.shape[1]))
         base = float(prefix[B - 1])
-        for p, t in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((base + math.log(p + eps), B - 1, t))
+        for p, c in zip(top.values.tolist(), top.indices.tolist()):
+            cands.append((base + math.log(p + eps), B - 1, draft.token(c)))
     cands.sort(key=lambda c: -c[0])
     return [(a, t, math.exp(s)) for s, a, t in cands[:H]]
 
@@ -258,7 +283,8 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
         mode.during_verify(rnd, anchor, draft)
         with run.lanes.target_ctx(), rec.span("target", "verify", rnd):
             vout = target.verify(t_cache, torch.tensor([anchor] + drafts, dtype=torch.long), mode.feature_layers)
-            v = accept(drafts, draft.q if draft is not None else None, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
+            q = draft.dense() if draft is not None and cfg.temperature > 0 else None  # only rejection sampling reads q
+            v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
             target.rollback(t_cache, len(drafts) - v.accepted)
         run.n_target_fwd += 1
         committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)

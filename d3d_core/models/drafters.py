@@ -127,6 +127,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32 and not torch.is_grad_enabled():  # one fused op where it is the same sum
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -175,8 +177,8 @@ class Attention(nn.Module):
         return k, v
 
     def forward(self, x, cos, sin, past, mask):
-        """x: (1, N, H); past: (k, v) each (1, nkv, T, hd) or None; mask: (1, 1, N, T+N)
-        additive float. Returns the output (1, N, H) and this forward's (k, v)."""
+        """x: (1, N, H); past: a cache's CachedKV, (k, v) each (1, nkv, T, hd), or None; mask:
+        (1, 1, N, T+N) additive float. Returns the output (1, N, H) and this forward's (k, v)."""
         n = x.shape[1]
         q, k_new, v_new = fastops.fused_linear(self, "qkv", [self.q_proj, self.k_proj, self.v_proj], x)
         q = q.reshape(1, n, self.nh, self.hd)
@@ -184,7 +186,9 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (1, nh, N, hd)
         k_new, v_new = self._shape_kv(k_new, v_new, cos, sin)
-        if past is not None and past[0].shape[2] > 0:
+        if isinstance(past, CachedKV):
+            k, v = past.join(k_new, v_new)
+        elif past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k_new], dim=2)
             v = torch.cat([past[1], v_new], dim=2)
         else:
@@ -229,30 +233,70 @@ class DecoderLayer(nn.Module):
 
 
 class KVCache:
-    """The drafter's own per-layer KV cache for committed positions 0..T-1.
-    Each entry is (k, v) of shape (1, nkv, T, hd)."""
+    """The drafter's own per-layer KV cache for committed positions 0..T-1, in preallocated buffers
+    (1, nkv, capacity, hd) that grow by doubling: committing appends in place and rollback only
+    moves a length, so the history is never copied. ``get(i)`` hands a layer's :class:`CachedKV`."""
 
     def __init__(self, num_layers: int):
-        self.kv: list = [None] * num_layers
+        self.k: list = [None] * num_layers
+        self.v: list = [None] * num_layers
+        self.n: list = [0] * num_layers
 
     def __len__(self) -> int:
-        for e in self.kv:
-            if e is not None:
-                return e[0].shape[2]
+        for i, k in enumerate(self.k):
+            if k is not None:
+                return self.n[i]
         return 0
 
     def get(self, i):
-        return self.kv[i]
+        return None if self.k[i] is None else CachedKV(self, i)
 
+    # the buffers are inference tensors (written in place, never part of a graph): every write runs in inference mode
+    @torch.inference_mode()
+    def reserve(self, i: int, total: int, like: torch.Tensor) -> None:
+        """Room for ``total`` positions in layer i (like: a (1, nkv, n, hd) tensor)."""
+        k = self.k[i]
+        if k is not None and k.shape[2] >= total:
+            return
+        cap = max(total, 256, 2 * (k.shape[2] if k is not None else 0))
+        nk, nv = (like.new_empty(like.shape[0], like.shape[1], cap, like.shape[3]) for _ in range(2))
+        if k is not None:
+            nk[:, :, : self.n[i]] = k[:, :, : self.n[i]]
+            nv[:, :, : self.n[i]] = self.v[i][:, :, : self.n[i]]
+        self.k[i], self.v[i] = nk, nv
+
+    @torch.inference_mode()
     def append(self, i: int, k, v):
-        if self.kv[i] is None:
-            self.kv[i] = (k, v)
-        else:
-            pk, pv = self.kv[i]
-            self.kv[i] = (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+        T, n = self.n[i], k.shape[2]
+        self.reserve(i, T + n, k)
+        self.k[i][:, :, T : T + n] = k
+        self.v[i][:, :, T : T + n] = v
+        self.n[i] = T + n
 
     def crop(self, length: int):
-        self.kv = [None if e is None else (e[0][:, :, :length], e[1][:, :, :length]) for e in self.kv]
+        self.n = [min(n, length) for n in self.n]
+
+
+class CachedKV:
+    """One layer's committed keys and values: ``kv[0]``, ``kv[1]`` are (1, nkv, T, hd) views, and
+    ``join`` gives a forward its keys (cached + its own) by writing its own into the spare room
+    past T — uncommitted until ``append`` — instead of concatenating a copy of the history."""
+
+    def __init__(self, cache: KVCache, i: int):
+        self.cache, self.i = cache, i
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        c = self.cache
+        return (c.k, c.v)[j][self.i][:, :, : c.n[self.i]]
+
+    def join(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple:
+        c, i = self.cache, self.i
+        if k_new.requires_grad:  # training through a cache: keep autograd's copy
+            return torch.cat([self[0], k_new], dim=2), torch.cat([self[1], v_new], dim=2)
+        T, n = c.n[i], k_new.shape[2]
+        c.append(i, k_new, v_new)
+        c.n[i] = T  # written, not committed
+        return c.k[i][:, :, : T + n], c.v[i][:, :, : T + n]
 
 
 class SharedParts:
@@ -264,8 +308,19 @@ class SharedParts:
         self.rotary_emb = rotary_emb
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
-        """positions: (N,) long -> cos, sin: (1, N, hd)."""
-        return self.rotary_emb(like, positions[None])
+        """positions: (N,) long -> cos, sin: (1, N, hd). Under autograd the rotary embedding runs
+        as is; otherwise rows of a table it computed once (elementwise, so the same values)."""
+        if torch.is_grad_enabled():
+            return self.rotary_emb(like, positions[None])
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype or table[0].device != like.device:
+            n = max(need, 1024, 2 * (table[0].shape[1] if table is not None else 0))
+            with torch.inference_mode():
+                table = self.rotary_emb(like, torch.arange(n, device=like.device)[None])
+            self._rope_table = table
+        cos, sin = table
+        return cos[:, positions], sin[:, positions]
 
 
 # ----------------------------------------------------------------------------- drafters
@@ -331,14 +386,23 @@ class _DrafterBase(nn.Module):
         other token gets -inf: argmax and softmax then range over the shortlist only. That stays
         lossless: the target still verifies every draft, rejection sampling only needs q > 0 where
         it drafted, and a token outside the list just cannot be drafted (the bonus can still be it)."""
+        x, vocab = self.draft_logits(h)
+        if vocab is None:
+            return x
+        out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
+        out[..., vocab] = x  # (..., K) scattered into (..., V)
+        return out
+
+    def draft_logits(self, h) -> tuple:
+        """h: (..., H) -> (logits (..., K), vocab): the logits over the shortlist's K token ids
+        ``vocab`` (ascending), or over the whole vocabulary with vocab None. What drafting uses:
+        argmax, softmax and sampling over K columns instead of V, equal to ``logits`` restricted to vocab."""
         with record_function(fastops.LM_HEAD):
             x = self.norm(h)
             if not self.cfg.vocab_shortlist or self.training:
-                return fastops.linear(self.shared.lm_head, x)
+                return fastops.linear(self.shared.lm_head, x), None
             ids, w = self._shortlist_rows(x)
-            out = x.new_full((*x.shape[:-1], self.cfg.arch.vocab_size), float("-inf"))
-            out[..., ids] = fastops.rows_linear(self, f"shortlist-{hash(self.cfg.vocab_shortlist)}", w, x)  # (..., K) scattered into (..., V)
-            return out
+            return fastops.rows_linear(self, f"shortlist-{hash(self.cfg.vocab_shortlist)}", w, x), ids
 
     def _shortlist_rows(self, like: torch.Tensor):
         """(ids, LM-head rows) of the shortlist on like's device / dtype, built once."""
