@@ -6,6 +6,10 @@
 import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+from d3d_core.limits import APP_KERNEL_CACHE  # noqa: E402  (no torch inside: the caps below must precede torch)
+
+for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # bounded kernel caches: a flat RSS for weeks
+    os.environ.setdefault(var, str(APP_KERNEL_CACHE))
 
 from app.ui import build_demo  # noqa: E402  (the app/ package, not this file)
 

@@ -19,6 +19,10 @@ APP_QUEUE_MAX = 16  # events waiting in the queue; one more gets "Queue is full 
 APP_CONCURRENCY = 2  # events running at once (decodes share one lane, see app/ui.py)
 APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
 APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
+# oneDNN's and ideep's kernel caches keep one compiled kernel per input shape, up to 1024 each by
+# default: a server fed prompts of every length grows for thousands of races before that bound.
+# The app keeps this many (a race uses ~50 shapes, so decoding still never recompiles a kernel).
+APP_KERNEL_CACHE = 128
 # trace downloads / race exports (the app's and Gradio's copies) older than this are deleted
 APP_TEMP_MAX_AGE_S = max(10, int(os.environ.get("D3D_TEMP_MAX_AGE_S", "900")))
 
