@@ -36,16 +36,31 @@ def temp_dir() -> Path:
         return _TEMP
 
 
-def temp_path(prefix: str, suffix: str) -> str:
-    """A fresh file path in the app's temp directory; files past their age are removed first."""
-    d = temp_dir()
-    now = time.time()
-    for f in d.iterdir():
+def gradio_temp_dir() -> Path:
+    """Where Gradio stores uploads and served files (GRADIO_TEMP_DIR, as Gradio itself resolves it)."""
+    return Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio")
+
+
+def sweep() -> int:
+    """Remove temp files past ``APP_TEMP_MAX_AGE_S``: the app's downloads and exports, and the stray
+    ``tmp*`` files an upload leaves at the top of Gradio's temp directory (one per upload, beside the
+    hashed copy that Gradio's own ``delete_cache`` removes). Returns how many went."""
+    now, gone = time.time(), 0
+    stray = [f for f in gradio_temp_dir().glob("tmp*") if f.is_file()] if gradio_temp_dir().is_dir() else []
+    for f in list(temp_dir().iterdir()) + stray:
         try:
             if now - f.stat().st_mtime > APP_TEMP_MAX_AGE_S:
                 f.unlink()
+                gone += 1
         except OSError:
             pass  # another request removed it first
+    return gone
+
+
+def temp_path(prefix: str, suffix: str) -> str:
+    """A fresh file path in the app's temp directory; files past their age are removed first."""
+    d = temp_dir()
+    sweep()
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=d)
     os.close(fd)
     return path

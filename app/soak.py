@@ -92,16 +92,26 @@ class Server:
                 time.sleep(0.5)
         raise TimeoutError(f"app.py did not answer within {timeout:.0f} s; log: {self.log.name}")
 
-    def files(self) -> tuple:
-        n = size = 0
+    def _walk(self):
         for dirpath, _, names in os.walk(self.tmp):
             for f in names:
+                p = os.path.join(dirpath, f)
                 try:
-                    size += os.path.getsize(os.path.join(dirpath, f))
-                    n += 1
+                    st = os.stat(p)
                 except OSError:
-                    pass
-        return n, size
+                    continue
+                yield p, st
+
+    def files(self) -> tuple:
+        """(count, bytes) of every file under the server's private temp directories."""
+        stats = [st for _, st in self._walk()]
+        return len(stats), sum(st.st_size for st in stats)
+
+    def oldest(self, n: int = 10) -> list:
+        """The n oldest temp files, [(age s, path under the temp root)]: what the cleanup missed, if anything."""
+        now = time.time()
+        rows = sorted((round(now - st.st_mtime, 1), os.path.relpath(p, self.tmp)) for p, st in self._walk())
+        return rows[::-1][:n]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -256,13 +266,14 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
     end = s[-1] if s else None
     out = {"races": len(res["races"]), "errors": len(res["errors"])}
     if base and end:
-        # the end value is the median of the last few samples: a sample taken mid-race holds that race's buffers
+        # both ends are the median of five samples: a sample taken mid-race holds that race's buffers
         tail = s[-5:]
         rss_end = statistics.median(r["rss_mib"] for r in tail)
+        rss_base = statistics.median(r["rss_mib"] for r in warm[:5]) if warm else base["rss_mib"]
         out.update(
-            rss_after_warmup_mib=base["rss_mib"], rss_end_mib=rss_end, rss_max_mib=max(r["rss_mib"] for r in s),
-            rss_growth=round((rss_end - base["rss_mib"]) / base["rss_mib"], 4),
-            rss_mib_per_race=round((rss_end - base["rss_mib"]) / max(1, len(res["races"]) - base["races"]), 3),
+            rss_after_warmup_mib=rss_base, rss_end_mib=rss_end, rss_max_mib=max(r["rss_mib"] for r in s),
+            rss_growth=round((rss_end - rss_base) / rss_base, 4),
+            rss_mib_per_race=round((rss_end - rss_base) / max(1, len(res["races"]) - base["races"]), 3),
             threads_after_warmup=base["threads"], threads_end=tail[-1]["threads"], threads_max=max(r["threads"] for r in s),
             fds_after_warmup=base["fds"], fds_end=tail[-1]["fds"], fds_max=max((r["fds"] or 0) for r in s),
             temp_files_max=max(r.get("temp_files", r["app_temp_files"]) for r in s),
@@ -408,6 +419,8 @@ def run(cfg: SoakConfig, out: Path) -> dict:
             res = soak(cfg, url, server)
             doc["soak"] = res
             doc["verdict"] = verdict(res, cfg)
+            if server:
+                doc["oldest_temp_files"] = server.oldest()
         if cfg.overload > 0:
             doc["overload"] = overload(cfg, url)
         if server:

@@ -173,6 +173,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     health.count("stopped" if stopped else "races")
     health.trim()
+    health.sweep()
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
     if timed_out:
         status += (f" · stopped at this server's time limit ({APP_RACE_SECONDS} s per race, so that the queue keeps moving); "
@@ -360,6 +361,7 @@ def upload_traces(file, state):
         trs = service.read_traces(data)
         del data
         health.trim()
+        health.sweep()
         bundle = trs[0].bundle
         state["traces"] = {t.mode: t for t in trs}
         try:

@@ -15,13 +15,13 @@ def test_sixty_races_flat_memory_no_leaked_threads_files_or_temp_files(tmp_path)
     print("\nsoak:", json.dumps({k: v[k] for k in v if k != "pass"}))
     assert v["races"] >= 80 and v["errors"] == 0, doc["soak"]["errors"][:5]
     assert all(doc["soak"]["actions"][k] > 0 for k in ("race", "stop")), doc["soak"]["actions"]
-    # The leaks the soak found cost 4.0 MiB a race (oneDNN shapes) and 0.8 (a plot component kept per
-    # race); both are fixed. The toy bundle still grows about 0.4 MiB a race after warm-up (+2.35 % over
-    # 43 races, issue #18 stays open for it), so this pins the fixes, not yet the issue's 2 % bar.
-    assert v["rss_mib_per_race"] < 0.6 and v["rss_growth"] < 0.05, v
+    # The leaks the soak found cost 4.0 MiB a race (oneDNN shapes), 0.8 (a plot component kept per race)
+    # and ~0.3 (oneDNN / ideep kernel caches filling with every prompt length); all fixed: the issue's bar
+    assert v["rss_growth"] < 0.02 and v["rss_mib_per_race"] < 0.2, v
     assert v["threads_end"] <= v["threads_after_warmup"] + 2 and v["fds_end"] <= v["fds_after_warmup"] + 8, v
     assert v["temp_files_end"] <= v["temp_files_bound"], v
-    assert all(ok for k, ok in v["pass"].items() if k != "rss_flat")
+    assert all(v["pass"].values()), v["pass"]
+    assert max(age for age, _ in doc["oldest_temp_files"]) < cfg.temp_max_age_s + 15  # stray upload files are swept too
     assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.html").stat().st_size > 10_000
     fig = soak_figure(doc)
     assert len(fig.data) == 5 and len(fig.data[0].y) == len(doc["soak"]["samples"])
