@@ -391,7 +391,14 @@ def soak_figure(doc: dict):
     v = doc.get("verdict", {})
     if "rss_after_warmup_mib" in v:
         fig.add_hline(y=v["rss_after_warmup_mib"] * 1.02, line_dash="dot", row=1, col=1,
-                      annotation_text="+2 % over the post-warm-up value", annotation_position="bottom right")
+                      annotation_text="+2 %: the bar for growth after warm-up", annotation_position="bottom right")
+        warm = doc.get("config", {}).get("warmup_races")
+        if warm and x and warm < x[-1]:
+            fig.add_vline(x=warm, line_dash="dash", line_color="grey", row=1, col=1,
+                          annotation_text="warm-up ends", annotation_position="top left")
+    if "temp_files_bound" in v and x:  # what the cleanup window may still hold at the end
+        fig.add_trace(go.Scatter(x=[x[0], x[-1]], y=[v["temp_files_bound"]] * 2, name="temp-file bound", mode="lines",
+                                 line=dict(dash="dot", color="grey")), 2, 1)
     fig.add_trace(go.Scatter(x=x, y=[r["threads"] for r in s], name="threads", mode="lines"), 1, 2)
     fig.add_trace(go.Scatter(x=x, y=[r["fds"] for r in s], name="open fds", mode="lines"), 1, 2)
     fig.add_trace(go.Scatter(x=x, y=[r.get("temp_files", r["app_temp_files"]) for r in s], name="temp files", mode="lines"), 2, 1)

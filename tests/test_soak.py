@@ -24,7 +24,8 @@ def test_sixty_races_flat_memory_no_leaked_threads_files_or_temp_files(tmp_path)
     assert max(age for age, _ in doc["oldest_temp_files"]) < cfg.temp_max_age_s + 15  # stray upload files are swept too
     assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.html").stat().st_size > 10_000
     fig = soak_figure(doc)
-    assert len(fig.data) == 5 and len(fig.data[0].y) == len(doc["soak"]["samples"])
+    assert [t.name for t in fig.data] == ["RSS MiB", "temp-file bound", "threads", "open fds", "temp files", "queued"]
+    assert len(fig.data[0].y) == len(doc["soak"]["samples"]) and fig.data[1].y[0] == v["temp_files_bound"]
 
 
 def test_health_endpoint_answers_outside_the_queue(app_server):
