@@ -266,14 +266,20 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
     end = s[-1] if s else None
     out = {"races": len(res["races"]), "errors": len(res["errors"])}
     if base and end:
-        # both ends are the median of five samples: a sample taken mid-race holds that race's buffers
+        # RSS swings by up to 25 % inside one race (its activations and buffers), so each end is the median
+        # of every sample over a span of races — the first after warm-up against the last — not a few samples
+        # that may fall inside one race.
         tail = s[-5:]
-        rss_end = statistics.median(r["rss_mib"] for r in tail)
-        rss_base = statistics.median(r["rss_mib"] for r in warm[:5]) if warm else base["rss_mib"]
+        n_races = len(res["races"])
+        span = max(5, min(50, (n_races - base["races"]) // 2))
+        first = [r["rss_mib"] for r in warm if r["races"] < base["races"] + span] or [base["rss_mib"]]
+        last = [r["rss_mib"] for r in s if r["races"] >= n_races - span] or [end["rss_mib"]]
+        rss_base, rss_end = statistics.median(first), statistics.median(last)
+        out.update(rss_span_races=span)
         out.update(
             rss_after_warmup_mib=rss_base, rss_end_mib=rss_end, rss_max_mib=max(r["rss_mib"] for r in s),
             rss_growth=round((rss_end - rss_base) / rss_base, 4),
-            rss_mib_per_race=round((rss_end - rss_base) / max(1, len(res["races"]) - base["races"]), 3),
+            rss_mib_per_race=round((rss_end - rss_base) / max(1, n_races - base["races"] - span), 3),  # between the spans' centres
             threads_after_warmup=base["threads"], threads_end=tail[-1]["threads"], threads_max=max(r["threads"] for r in s),
             fds_after_warmup=base["fds"], fds_end=tail[-1]["fds"], fds_max=max((r["fds"] or 0) for r in s),
             temp_files_max=max(r.get("temp_files", r["app_temp_files"]) for r in s),
