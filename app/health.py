@@ -45,8 +45,8 @@ def sweep() -> int:
     """Remove temp files past ``APP_TEMP_MAX_AGE_S``: the app's downloads and exports, and the stray
     ``tmp*`` files an upload leaves at the top of Gradio's temp directory (one per upload, beside the
     hashed copy that Gradio's own ``delete_cache`` removes). Returns how many went."""
-    now, gone = time.time(), 0
-    stray = [f for f in gradio_temp_dir().glob("tmp*") if f.is_file()] if gradio_temp_dir().is_dir() else []
+    now, gone, g = time.time(), 0, gradio_temp_dir()
+    stray = [f for f in g.glob("tmp*") if f.is_file()] if g.is_dir() else []
     for f in list(temp_dir().iterdir()) + stray:
         try:
             if now - f.stat().st_mtime > APP_TEMP_MAX_AGE_S:

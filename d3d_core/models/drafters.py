@@ -266,12 +266,16 @@ class KVCache:
         self.k[i], self.v[i] = nk, nv
 
     @torch.inference_mode()
-    def append(self, i: int, k, v):
+    def write(self, i: int, k, v) -> int:
+        """Write k, v (1, nkv, n, hd) at positions T..T+n-1 of layer i without committing them; returns T + n."""
         T, n = self.n[i], k.shape[2]
         self.reserve(i, T + n, k)
         self.k[i][:, :, T : T + n] = k
         self.v[i][:, :, T : T + n] = v
-        self.n[i] = T + n
+        return T + n
+
+    def append(self, i: int, k, v):
+        self.n[i] = self.write(i, k, v)
 
     def crop(self, length: int):
         self.n = [min(n, length) for n in self.n]
@@ -293,10 +297,8 @@ class CachedKV:
         c, i = self.cache, self.i
         if k_new.requires_grad:  # training through a cache: keep autograd's copy
             return torch.cat([self[0], k_new], dim=2), torch.cat([self[1], v_new], dim=2)
-        T, n = c.n[i], k_new.shape[2]
-        c.append(i, k_new, v_new)
-        c.n[i] = T  # written, not committed
-        return c.k[i][:, :, : T + n], c.v[i][:, :, : T + n]
+        end = c.write(i, k_new, v_new)  # uncommitted: the length stays T
+        return c.k[i][:, :, :end], c.v[i][:, :, :end]
 
 
 class SharedParts:
