@@ -34,6 +34,20 @@ costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 tab where each forward's time goes.
 """
 
+VERIFY_PLAN = """
+### The verify plan: check only the drafts that pay
+A verify over more tokens costs more on a CPU, and a weak drafter's later drafts are rarely reached: the
+6th draft only counts if the first five were all right. So by default (**Verify plan: adaptive**) the
+engine verifies the prefix `d₁ … d_{k-1}` that maximises *expected tokens per unit of round cost*,
+`E[tokens | k] / (T_draft + T_verify(k))` with `E[tokens | k] = 1 + Σ_{j<k} Π_{i≤j} q_i(d_i)` — the
+drafter's own probabilities as its acceptance estimate, the bundle's measured cost table (in steps) for
+`T_verify(k)`. The drafts past `k` are **held back** (white cells in **Rounds**): drafted, never verified.
+The width depends only on the drafter's side, never on the target's answer, so the output stays exactly
+the target's. τ drops a little (a held-back draft can no longer be accepted); time per token drops more.
+Choose **full** to verify all `B − 1` drafts, as the method's papers do on GPUs, where a wider verify is
+nearly free — with a flat cost table the plan verifies the whole block anyway.
+"""
+
 DRAFT_VERIFY = """
 ### Draft, then verify
 A cheap **drafter** proposes a **block** of `B` tokens in one pass: `[anchor, d₁ … d_{B-1}]`, where the
@@ -100,7 +114,8 @@ GLOSSARY = """
 |---|---|
 | **target** | the large causal LM whose output must be reproduced exactly |
 | **drafter** | the cheap model that proposes a block of `B` tokens in one pass |
-| **block size `B`** | tokens per verify: the anchor plus `B-1` drafts (`ar` uses 1) |
+| **block size `B`** | tokens per drafted block: the anchor plus `B-1` drafts (`ar` uses 1); the verify checks all of them (*full*) or the prefix the verify plan picks (*adaptive*) |
+| **verify plan / held back** | *adaptive*: verify only the drafts expected to pay for the wider verify on this bundle's cost table; the drafts past that width are *held back* (drafted, never verified) |
 | **round** | one draft + one target verify over the block |
 | **anchor** | the last committed token (the previous round's bonus); the block starts with it |
 | **accepted `a`** | length of the longest prefix of drafts equal to the target's tokens |
@@ -132,9 +147,10 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
 | **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a red *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
+| **Why were some drafts never checked?** | **Rounds** tab: white cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """
 
-SECTIONS = [DRAFT_VERIFY, DFLASH, D3D, MISS, PRUNING]
+SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DFLASH, D3D, MISS, PRUNING]

@@ -262,9 +262,9 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
 
 # ----------------------------------------------------------------------------- rounds grid
 
-STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS = range(5)
-STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus"]
-STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE]
+STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD = range(6)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)"]
+STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FFFFFF"]
 
 
 def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:
@@ -274,7 +274,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     if trace is None or not trace.rounds:
         return _empty("Rounds", "Run a race, then pick a mode to inspect its rounds.")
     rounds = trace.rounds if upto is None else trace.rounds[: max(0, upto) + 1]
-    B = max(len(r.draft_ids) for r in trace.rounds) + 1
+    B = max(len(r.draft_ids) + len(r.held_back) for r in trace.rounds) + 1
     cols = ["anchor"] + [f"d{j}" for j in range(1, B)] + ["bonus"]
     z, text, hover = [], [], []
 
@@ -304,6 +304,12 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                     f"round {r.index} · d{j} = {pieces.get(d, d)!r} ({STATE_NAMES[st]})<br>drafter q(d) = {q:.3f}"
                     + (f"<br>target's token: {pieces.get(y, y)!r}" if y is not None else "")
                 )
+            elif j - 1 - len(r.draft_ids) < len(r.held_back):
+                d = r.held_back[j - 1 - len(r.draft_ids)]
+                zr.append(STATE_HELD)
+                tr_.append(show(d))
+                hr.append(f"round {r.index} · d{j} = {pieces.get(d, d)!r} (held back)<br>drafted but not verified: the verify plan "
+                          f"expected a verify of {len(r.draft_ids) + 1} tokens to earn more per unit of cost than a wider one")
             else:
                 zr.append(None)
                 tr_.append("")

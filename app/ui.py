@@ -101,7 +101,8 @@ def _rounds_view(state, mode, idx):
     if n == 0:
         return fig, figures.hypotheses_table(None, 0, {}), "No rounds."
     r = tr.rounds[idx]
-    cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts, "
+    held = f" ({len(r.held_back)} more held back by the verify plan)" if r.held_back else ""
+    cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
     if r.hit is not None and idx == n - 1:
@@ -116,14 +117,14 @@ def _rounds_view(state, mode, idx):
 # ----------------------------------------------------------------------------- handlers
 
 
-def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, use_pruned, state):
+def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, use_pruned, state):
     """Stream the race: columns after every round (throttled), plots at the end."""
     state = dict(state or empty_state())
     no = gr.skip()
     try:
         prompt = service.check_prompt(prompt)
         modes = service.check_modes(modes)
-        base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed)
+        base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify)
         if bundle not in service.bundle_names():
             raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
     except ValueError as e:
@@ -412,6 +413,9 @@ def build_demo() -> gr.Blocks:
                         with gr.Row():
                             sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
                             seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
+                        verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
+                                          info="adaptive: the target checks only the drafts expected to pay for the wider verify, from this "
+                                               "bundle's measured cost table (the rest are held back, shown white in Rounds); full: all B − 1 drafts")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
                                                       "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
@@ -512,6 +516,7 @@ def build_demo() -> gr.Blocks:
                 gr.Plot(figures.diagram_ar(), label="AR")
                 gr.Markdown(explain.DRAFT_VERIFY)
                 gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
+                gr.Markdown(explain.VERIFY_PLAN)
                 gr.Markdown(explain.DFLASH)
                 gr.Plot(figures.diagram_dflash(), label="DFlash")
                 gr.Markdown(explain.D3D)
@@ -532,7 +537,7 @@ def build_demo() -> gr.Blocks:
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
-            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, use_pruned, state], race_outputs,
+            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, use_pruned, state], race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )
         run_ev = run_ev.then(race_views, [state], view_outputs, api_name="race_views")

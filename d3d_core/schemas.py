@@ -15,6 +15,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .decoding.config import SAMPLING_RULES, DecodeConfig
+from .decoding.plan import VERIFY_RULES
 from .decoding.trace import MODES
 from .limits import APP_BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
 
@@ -81,6 +82,7 @@ class AppSettings(BaseModel):
     hypotheses: int = _ranged("hypotheses", 4)
     sampling: Literal[SAMPLING_RULES] = "match"
     seed: int = _ranged("seed", 0)
+    verify: Literal[VERIFY_RULES] = "adaptive"
 
     @field_validator("block_size", "max_new_tokens", "hypotheses", "seed", mode="before")
     @classmethod

@@ -15,7 +15,7 @@ def client(app_server):
 
 
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash", "d3d-seq", "d3d-async"], block_size=4,
-            temperature=0, max_new_tokens=32, hypotheses=8, sampling="match", seed=0, use_pruned=False)
+            temperature=0, max_new_tokens=32, hypotheses=8, sampling="match", seed=0, verify="adaptive", use_pruned=False)
 
 
 def test_named_endpoints(client):
@@ -100,7 +100,7 @@ def test_stop_endpoint(client):
 def test_stop_ends_a_real_run_within_a_round_and_the_next_run_works(client):
     import time
 
-    job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, False,
+    job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, "adaptive", False,
                         api_name="/race")
     deadline = time.time() + 120
     while time.time() < deadline and not any("Running" in str(o[0]) for o in job.outputs()):

@@ -18,7 +18,7 @@ from d3d_core.decoding.trace import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=list(MODES), block_size=4, temperature=0, max_new_tokens=32,
-            hypotheses=8, sampling="match", seed=0, use_pruned=False)
+            hypotheses=8, sampling="match", seed=0, verify="adaptive", use_pruned=False)
 
 
 @pytest.fixture(scope="module")

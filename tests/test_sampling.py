@@ -55,7 +55,7 @@ def _exact_second_token_dist(bundle, prompt_ids, T):
     return (p0[:, None] * p1).sum(0)
 
 
-def _assert_second_token_matches_target(toy, mode, rule, drafter=None, n=600):
+def _assert_second_token_matches_target(toy, mode, rule, drafter=None, n=600, costs=None):
     """Chi-square: the engine's second output token over n seeds vs the target's exact distribution."""
     T = 1.0
     ids = toy.tokenizer.encode_prompt("ab")
@@ -63,7 +63,7 @@ def _assert_second_token_matches_target(toy, mode, rule, drafter=None, n=600):
     counts: dict = {}
     for seed in range(n):
         tr = decode(toy, ids, DecodeConfig(mode=mode, temperature=T, sampling=rule, seed=seed, max_new_tokens=2, block_size=3,
-                                           stop_at_eos=False), drafter=drafter)
+                                           stop_at_eos=False), drafter=drafter, costs=costs)
         counts[tr.output_ids[1]] = counts.get(tr.output_ids[1], 0) + 1
     assert _chi2(counts, {i: float(exact[i]) for i in range(exact.shape[0])}, n) > 1e-3
 

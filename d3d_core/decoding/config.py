@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from ..limits import BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
+from .plan import VERIFY_RULES
 from .trace import MODES
 
 SAMPLING_RULES = ("match", "rejection")
@@ -15,7 +16,7 @@ SAMPLING_RULES = ("match", "rejection")
 @dataclass(frozen=True)
 class DecodeConfig:
     mode: str = "d3d-async"
-    block_size: int = 8  # B: tokens per verify (anchor + B-1 drafts); ar always uses 1
+    block_size: int = 8  # B: tokens per drafted block (anchor + B-1 drafts); ar always uses 1
     max_new_tokens: int = 128
     temperature: float = 0.0
     hypotheses: int = 4  # H: successor blocks drafted in the packed pass (d3d-async)
@@ -23,6 +24,7 @@ class DecodeConfig:
     seed: int = 0
     stop_at_eos: bool = True
     threads: Optional[int] = None  # CPU intra-op threads; None: all cores (1 per lane in d3d-async)
+    verify: str = "adaptive"  # "adaptive": verify the draft prefix that pays for itself (plan.py); "full": all B-1
 
     def validated(self) -> "DecodeConfig":
         """Return self if every field is in range, else raise ValueError saying which."""
@@ -37,6 +39,8 @@ class DecodeConfig:
             raise ValueError(f"temperature must be a number in [0, {TEMPERATURE_MAX:g}], got {t!r}")
         if self.sampling not in SAMPLING_RULES:
             raise ValueError(f"sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling!r}")
+        if self.verify not in VERIFY_RULES:
+            raise ValueError(f"verify rule must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}")
         if self.threads is not None:
             _int_in(self.threads, "threads", 1, 256)
         return self

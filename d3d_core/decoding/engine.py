@@ -25,6 +25,7 @@ import torch
 
 from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache
 from .config import DecodeConfig
+from .plan import CostModel, verify_width
 from .sampling import accept, choose, probs
 from .timing import Lanes, Recorder, cpu_threads
 from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
@@ -50,6 +51,11 @@ class Draft:
     @property
     def probs(self) -> list:
         return [float(self.q[j, c]) if c >= 0 else 0.0 for j, c in enumerate(map(self.col, self.ids))]
+
+    def truncated(self, n: int) -> "Draft":
+        """The first n drafts (what a verify of width n + 1 checks); q keeps row n, the drafter's
+        distribution one past them (the bonus position a d3d-async hypothesis guesses)."""
+        return Draft(self.ids[:n], self.q[: n + 1], self.vocab, self.vocab_size)
 
     def dense(self) -> torch.Tensor:
         """(n, V) distributions, zero off the shortlist (what rejection sampling compares with p)."""
@@ -105,7 +111,7 @@ def d3d_prefill(drafter: D3DDrafter, cache: KVCache, prompt_ids: list) -> None:
 
 
 def make_hypotheses(draft: Draft, B: int, H: int) -> list:
-    """The H most likely (a, t) outcomes of verifying [x_s, d_1..d_{B-1}], scored with the
+    """The H most likely (a, t) outcomes of verifying [x_s, d_1..d_{B-1}] (B: the verify's width), scored with the
     drafter's own distributions: P(a, t) ~ prod_{j<=a} q_j(d_j) * (1 - q_{a+1}(d_{a+1})) *
     q~_{a+1}(t), where q~ is q_{a+1} without d_{a+1}; for a = B-1, t comes from the
     lookahead slot q_B. Returns [(a, t, score)] best first."""
@@ -143,7 +149,7 @@ def d3d_packed(drafter: D3DDrafter, cache: KVCache, anchor: int, draft: Draft, c
     provisional causal context plus H hypothesis blocks, each anchored at s+a+1 and seeing
     the provisional context up to s+a (4-D mask, no hypothesis sees another)."""
     B = cfg.block_size
-    hyps = make_hypotheses(draft, B, cfg.hypotheses)
+    hyps = make_hypotheses(draft, len(draft.ids) + 1, cfg.hypotheses)  # the verified width, which the plan may cut below B
     ctx = torch.tensor([anchor] + draft.ids, dtype=torch.long, device=drafter.device)
     _, h_blocks, new_kv = drafter.forward_packed(cache, ctx, [(t, a + 1) for a, t, _ in hyps], B + 1)
     drafts = _drafts_from_hidden(drafter, h_blocks, cfg, gen) if hyps else []
@@ -196,17 +202,19 @@ def warm_up(bundle) -> float:
     return time.perf_counter() - t
 
 
-def decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel: Optional[Callable[[], bool]] = None, drafter=None) -> Trace:
+def decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel: Optional[Callable[[], bool]] = None, drafter=None,
+           costs: Optional[CostModel] = None) -> Trace:
     trace = None
-    for trace in iter_decode(bundle, prompt, cfg, cancel=cancel, drafter=drafter):
+    for trace in iter_decode(bundle, prompt, cfg, cancel=cancel, drafter=drafter, costs=costs):
         pass
     return trace
 
 
-def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None, drafter=None) -> Iterator[Trace]:
+def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None, drafter=None, costs: Optional[CostModel] = None) -> Iterator[Trace]:
     """Decode ``prompt`` with ``cfg.mode``. Yields the same Trace object after prefill and
     after each round; the last yield is complete (stats, spans, finish_reason).
     ``drafter`` overrides the bundle's drafter of the mode's kind (e.g. a pruned copy).
+    ``costs`` overrides the verify plan's cost model (default: the bundle's, at the run's threads).
     ``cancel``: a callable or threading.Event; checked before every round."""
     cfg = cfg.validated()
     text, prompt_ids = prepare_prompt(bundle, prompt, cfg)
@@ -220,14 +228,15 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
 
     device = bundle.target.device
     threads = cfg.threads or (1 if (strategy_cls.concurrent and device.type == "cpu") else torch.get_num_threads())
+    costs = costs or CostModel.from_breakdown(getattr(bundle, "costs", None), threads)
     trace = Trace(
         mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
-        device=str(device),
+        device=str(device), verify_costs=costs.table(cfg.effective_block), cost_source=costs.source,
     )
     lanes = Lanes(device, strategy_cls.concurrent)
     try:
         with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
-            run = Run(bundle.target, cfg, lanes, Recorder(device))
+            run = Run(bundle.target, cfg, lanes, Recorder(device), costs)
             yield from _loop(run, strategy_cls(run, drafter), trace, bundle.tokenizer, is_cancelled)
     finally:
         lanes.close()
@@ -245,6 +254,7 @@ class Run:
     cfg: DecodeConfig
     lanes: Lanes
     rec: Recorder
+    costs: CostModel = CostModel()  # what verify widths cost: the verify plan's input
     gen_t: torch.Generator = field(default_factory=lambda: torch.Generator())  # target side (main thread)
     gen_d: torch.Generator = field(default_factory=lambda: torch.Generator())  # drafter side (drafter lane)
     n_target_fwd: int = 0
@@ -279,6 +289,10 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             finish = "cancelled"
             break
         draft, source = mode.draft(rnd, anchor)
+        held = []
+        if draft is not None and cfg.verify == "adaptive":
+            k = verify_width(draft.probs, run.costs, mode.draft_cost())
+            held, draft = draft.ids[k - 1 :], draft.truncated(k - 1)
         drafts = draft.ids if draft is not None else []
         mode.during_verify(rnd, anchor, draft)
         with run.lanes.target_ctx(), rec.span("target", "verify", rnd):
@@ -291,7 +305,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
         rd = Round(
             index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(drafts),
             draft_probs=draft.probs if draft is not None else [], target_ids=v.target_ids[: len(drafts) + 1],
-            accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source,
+            accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source, held_back=held,
         )
         mode.after_verify(rd, anchor, drafts, vout)
         trace.rounds.append(rd)
@@ -358,6 +372,10 @@ class Mode:
     def after_verify(self, rd: Round, anchor: int, drafts: list, vout) -> None:
         """Bring the drafter up to date with the verdict (``rd`` may be annotated)."""
 
+    def draft_cost(self) -> float:
+        """What drafting a block costs in target steps, as the verify plan counts it (its round's fixed cost)."""
+        return self.run.costs.draft_cost(self.drafter_kind)
+
     def _timed_draft(self, kind: str, rnd: int, fn):
         with self.run.lanes.drafter_ctx(), self.run.rec.span("drafter", kind, rnd):
             out = fn()
@@ -423,6 +441,12 @@ class D3DAsyncMode(Mode):
         self.ready: Optional[Draft] = None  # the hit hypothesis's drafted block
         self.packed = None  # future of this round's packed pass
         self._prefill = None
+        self.hits = self.rounds = 0
+
+    def draft_cost(self):
+        """A block costs a synchronous draft only after a miss: the draft cost times the miss rate so
+        far (even odds before the first verdict). Counted from the trace's own rounds: deterministic."""
+        return self.run.costs.draft_cost("d3d") * (1.0 - (self.hits + 1) / (self.rounds + 2))
 
     def start_prefill(self, prompt_ids):
         def work():  # needs nothing from the target, so it runs while the target prefills
@@ -460,6 +484,8 @@ class D3DAsyncMode(Mode):
             rd.hypotheses.append(Hypothesis(ha, ht, hs, list(hd.ids), hit))
             if hit:
                 rd.hit, self.ready = True, hd
+        self.rounds += 1
+        self.hits += int(rd.hit)
 
 
 STRATEGIES = {"ar": Mode, "dflash": DFlashMode, "d3d-seq": D3DSeqMode, "d3d-async": D3DAsyncMode}

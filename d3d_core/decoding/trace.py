@@ -80,6 +80,7 @@ class Round:
     draft_source: Annotated[str, Strict(), Field(max_length=20)] = ""  # "", "draft", "sync_draft", "packed_draft"
     hypotheses: Annotated[list[Hypothesis], Field(max_length=MAX_TRACE_HYPOTHESES)] = field(default_factory=list)  # d3d-async
     hit: Optional[Bool] = None  # d3d-async: did one of them equal (accepted, bonus)?
+    held_back: BlockIds = field(default_factory=list)  # drafts past the verify plan's width: drafted, never verified
 
     @property
     def tokens(self) -> int:
@@ -140,6 +141,8 @@ class Trace:
     stats: Stats = field(default_factory=Stats)
     finish_reason: Literal[("",) + FINISH_REASONS] = ""
     device: Annotated[str, Strict(), Field(max_length=40)] = "cpu"
+    verify_costs: Annotated[list[Float], Field(max_length=MAX_TRACE_BLOCK)] = field(default_factory=list)  # verify(k)/step, k = 1..B: the plan's cost model
+    cost_source: Annotated[str, Strict(), Field(max_length=300)] = ""  # where those costs were measured
     version: Int = TRACE_VERSION
 
     # ---- serialisation

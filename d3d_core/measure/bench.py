@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
+from ..decoding.plan import VERIFY_RULES
 from ..decoding.trace import MODES
 from ..models import fastops
 from ..models.bundles import get_bundle
@@ -160,13 +161,14 @@ def item_ids(bundle, it, base: DecodeConfig) -> list:
 
 
 def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
-              block_sizes: Optional[list] = None, peers: tuple = ()) -> list:
+              block_sizes: Optional[list] = None, peers: tuple = (), verify_rules: Optional[list] = None) -> list:
     """Decode every item with every mode (item-major; ar once per item, drafting modes once
-    per block size, then each peer once). Returns per-(item, mode, block size) rows."""
+    per block size and verify rule, then each peer once). Returns per-(item, mode, block size, verify) rows."""
     from tqdm import tqdm
 
     drafters = drafters or {}
     block_sizes = block_sizes or [base.block_size]
+    verify_rules = verify_rules or [base.verify]
     if not items:
         return []
     # warm-up (untimed): first calls pay allocator / kernel selection costs
@@ -174,21 +176,24 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
         decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
     rows = []
     draft_modes = [m for m in modes if m != "ar"]
-    bar = tqdm(total=len(items) * (("ar" in modes) + len(draft_modes) * len(block_sizes) + len(peers)), desc="bench", file=sys.stderr, disable=not progress)
+    n_runs = ("ar" in modes) + len(draft_modes) * len(block_sizes) * len(verify_rules) + len(peers)
+    bar = tqdm(total=len(items) * n_runs, desc="bench", file=sys.stderr, disable=not progress)
     for it in items:
         ids = item_ids(bundle, it, base)
         ref = None
-        runs = ([("ar", base.block_size)] if "ar" in modes else []) + [(m, B) for B in block_sizes for m in draft_modes]
-        for m, B in runs:
-            tr = decode(bundle, ids, base.with_(mode=m, block_size=B), drafter=drafters.get(m))
+        runs = ([("ar", base.block_size, base.verify)] if "ar" in modes else []) + [
+            (m, B, v) for v in verify_rules for B in block_sizes for m in draft_modes]
+        for m, B, v in runs:
+            tr = decode(bundle, ids, base.with_(mode=m, block_size=B, verify=v), drafter=drafters.get(m))
             if m == "ar":
                 ref = tr.output_ids
             greedy = base.temperature == 0
-            rows.append(dict(row_of(it, tr, (tr.output_ids if m == "ar" else ref) if greedy and ref is not None else None), block_size=B))
+            rows.append(dict(row_of(it, tr, (tr.output_ids if m == "ar" else ref) if greedy and ref is not None else None),
+                             block_size=B, verify=v))
             bar.set_postfix(mode=m, B=B, tau=f"{tr.stats.tau:.2f}")
             bar.update(1)
         for p in peers:
-            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size))
+            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size, verify=base.verify))
             bar.update(1)
     bar.close()
     return rows
@@ -204,14 +209,26 @@ def acceptance_hists(rows: list) -> dict:
     return out
 
 
-def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list) -> dict:
-    """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B)."""
+def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list, verify: str = "adaptive") -> dict:
+    """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B), at one verify rule."""
     out: dict = {}
     for B in block_sizes:
-        rs = [r for r in rows if r["mode"] == "ar" or r["block_size"] == B]
+        rs = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == B and r.get("verify", verify) == verify)]
         for s in summarize(rs, datasets, modes):
             if s["dataset"] == ("average" if len(datasets) > 1 else datasets[0]) and s["mode"] != "ar":
                 out.setdefault(s["mode"], {})[str(B)] = {"tau": s["tau"], "speedup": s["speedup"]}
+    return out
+
+
+def verify_table(rows: list, datasets: list, modes: list, B: int) -> dict:
+    """{mode: {rule: {"tau", "speedup", "tokens_per_s"}}} per verify rule at block size B, averaged over
+    datasets: what the verify plan buys, measured in one run (ar rows shared)."""
+    out: dict = {}
+    for v in sorted({r.get("verify") for r in rows if r["mode"] != "ar" and r.get("verify")}):
+        rs = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == B and r.get("verify") == v)]
+        for s in summarize(rs, datasets, modes):
+            if s["dataset"] == ("average" if len(datasets) > 1 else datasets[0]) and s["mode"] != "ar":
+                out.setdefault(s["mode"], {})[v] = {k: s[k] for k in ("tau", "speedup", "tokens_per_s")}
     return out
 
 
@@ -237,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default=",".join(PEERS),
                    help="comma list of peers run beside the modes at temperature 0 (" + ", ".join(PEERS) + "), or 'none'")
     p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H) and check the latency model")
+    p.add_argument("--verify", choices=list(VERIFY_RULES), default=DecodeConfig().verify,
+                   help="adaptive: verify the draft prefix that pays for itself on this bundle's cost table; full: all B-1 drafts")
+    p.add_argument("--compare-verify", action="store_true", help="also run every drafting mode with the other verify rule (same run)")
     p.add_argument("--block-sizes", default="", help="sweep: comma list of block sizes (e.g. 2,4,8,16); the table uses --block-size")
     p.add_argument("--out", default="results/bench.json")
     p.add_argument("--no-progress", action="store_true")
@@ -261,7 +281,7 @@ def main(argv=None) -> int:
         datasets = parse_datasets(args.datasets)
         base = DecodeConfig(
             mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            hypotheses=args.hypotheses, sampling=args.sampling, seed=args.seed, threads=args.threads,
+            hypotheses=args.hypotheses, sampling=args.sampling, seed=args.seed, threads=args.threads, verify=args.verify,
         ).validated()
         items_by_ds = {ds: load_benchmark(ds, args.n, args.seed, args.data_dir) for ds in datasets}
         bundle = get_bundle(args.bundle, args.device)
@@ -270,6 +290,7 @@ def main(argv=None) -> int:
         return 2
     try:
         block_sizes = sorted({int(b) for b in args.block_sizes.split(",") if b.strip()} | {base.block_size}) if args.block_sizes else [base.block_size]
+        verify_rules = [base.verify] + ([v for v in VERIFY_RULES if v != base.verify] if args.compare_verify else [])
         for B in block_sizes:
             base.with_(block_size=B).validated()
     except ValueError as e:
@@ -283,13 +304,13 @@ def main(argv=None) -> int:
     for ds in datasets:
         mine = dist.shard(items_by_ds[ds])
         rows += run_bench(bundle, mine, modes, base, progress=not args.no_progress and dist.rank == 0, drafters=drafters,
-                          block_sizes=block_sizes, peers=tuple(peers))
+                          block_sizes=block_sizes, peers=tuple(peers), verify_rules=verify_rules)
     rows = dist.gather(rows)
     if dist.rank != 0:
         dist.close()
         return 0
     rows.sort(key=lambda r: (datasets.index(r["dataset"]), r["id"], r["mode"], r["block_size"]))
-    main_rows = [r for r in rows if r["block_size"] == base.block_size or r["mode"] == "ar"]
+    main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and r["verify"] == base.verify)]
     summary = summarize(main_rows, datasets, modes + peers)
     quiet = watch.stop()
     result = {
@@ -303,7 +324,9 @@ def main(argv=None) -> int:
         "acceptance_hist": acceptance_hists(main_rows),
     }
     if len(block_sizes) > 1:
-        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes)
+        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes, base.verify)
+    if len(verify_rules) > 1:
+        result["verify_compare"] = verify_table(rows, datasets, modes, base.block_size)
     if args.cost_probe:
 
         result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
@@ -315,6 +338,10 @@ def main(argv=None) -> int:
     print(table_text(summary))
     if quiet.noisy:
         print(f"\nWARNING: {quiet.warning}", file=sys.stderr)
+    if "verify_compare" in result:
+        print(f"\nverify rule at B={base.block_size} (τ / speedup):")
+        for m, pts in result["verify_compare"].items():
+            print(f"  {m:10s} " + "  ".join(f"{v}: {x['tau']:.2f} / {_fmt(x['speedup'])}x" for v, x in pts.items()))
     if "sweep" in result:
         print("\nblock-size sweep (τ / speedup):")
         for m, pts in result["sweep"].items():

@@ -50,6 +50,7 @@ class Bundle:
     drafter_info: dict = field(default_factory=dict)  # kind -> "trained: ..." / "untrained (initialised ...)"
     description: str = ""
     attention: str = "sdpa"  # the target's attention kernel (flash_attention_2 / sdpa)
+    costs: dict = field(default_factory=dict)  # the shipped cost breakdown (assets/bench/<name>-costs.json): the verify plan's input
 
     @property
     def device(self):
@@ -141,7 +142,18 @@ def _load(name: str, device: str) -> Bundle:
             d = init_drafter(kind, target, spec).to(device)
             info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
         drafters[kind] = d
-    return Bundle(name, target, tok, drafters, info, spec.description)
+    return Bundle(name, target, tok, drafters, info, spec.description, costs=shipped_costs(name) if device == "cpu" else {})
+
+
+def shipped_costs(name: str) -> dict:
+    """The bundle's shipped CPU cost breakdown (``python -m d3d_core.measure.costs --out``), or {} when
+    there is none or it cannot be read (the verify plan then treats every width as one step)."""
+    p = ASSETS / "bench" / f"{name}-costs.json"
+    try:
+        d = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8) -> DrafterConfig:

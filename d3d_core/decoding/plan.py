@@ -1,0 +1,108 @@
+"""The verify plan: how many of a block's drafts the target checks, chosen from what a verify costs.
+
+A drafted block holds B-1 drafts, but checking them is not free. On a CPU a verify over k tokens
+costs more than a step as k grows (measured on a 2-core AVX2 EPYC: verify(4) ≈ 1.14 steps,
+verify(8) ≈ 1.5), and a weak drafter's late drafts are rarely accepted: the 6th draft of a block is
+only reached when the first five were all right. So the engine verifies the prefix that pays:
+
+    k* = argmax_k  E[tokens | verify k] / (draft + verify(k)),   k = 1..B
+    E[tokens | verify k] = 1 + sum_{j=1}^{k-1} prod_{i<=j} q_i(d_i)
+
+where q_i(d_i) is the drafter's own probability of its i-th draft (its estimate that the target
+accepts it) and costs are in units of one target step. The drafts past k are *held back*: drafted,
+shown in the trace, never verified.
+
+Lossless: the width depends only on the drafter's side (its drafts and their probabilities), never on
+the target's output, so at temperature 0 the committed tokens are still the target's greedy tokens, and
+at temperature > 0 rejection sampling over a draft-chosen prefix keeps the target's distribution.
+
+The costs come from the bundle's shipped cost breakdown (``python -m d3d_core.measure.costs``, which
+records the CPU it ran on), at the thread count the run uses. A bundle without one (the toy bundles,
+GPU bundles) gets the flat model, verify(k) = 1 step for every k, under which the whole block is always
+worth verifying: the plan then changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+VERIFY_RULES = ("adaptive", "full")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a verify of width k and a draft cost, in target steps, on one machine at one thread count."""
+
+    widths: tuple = (1,)  # measured verify widths, ascending, starting at 1 (a step)
+    verify: tuple = (1.0,)  # verify(width) / step(1), one per width
+    draft: tuple = ()  # ((kind, draft / step), ...) for "d3d" and "dflash"
+    source: str = "flat: every verify width costs one step (no cost breakdown for this bundle)"
+
+    def verify_cost(self, k: int) -> float:
+        """verify(k) / step, linear between measured widths, flat past the last one measured twice."""
+        w, v = self.widths, self.verify
+        if k <= w[0]:
+            return v[0]
+        for i in range(1, len(w)):
+            if k <= w[i]:
+                return v[i - 1] + (v[i] - v[i - 1]) * (k - w[i - 1]) / (w[i] - w[i - 1])
+        if len(w) >= 2:  # extrapolate the last segment's slope, never below the last cost
+            slope = max(0.0, (v[-1] - v[-2]) / (w[-1] - w[-2]))
+            return v[-1] + slope * (k - w[-1])
+        return v[-1]
+
+    def draft_cost(self, kind: Optional[str]) -> float:
+        return dict(self.draft).get(kind, 0.0) if kind else 0.0
+
+    def table(self, B: int) -> list:
+        """[verify(1), ..., verify(B)] in steps (what the trace records and the app shows)."""
+        return [round(self.verify_cost(k), 4) for k in range(1, B + 1)]
+
+    @classmethod
+    def from_breakdown(cls, costs: dict, threads: int) -> "CostModel":
+        """From a cost breakdown (``costs.py`` JSON): its rows at ``threads`` (or the closest thread
+        count it measured). Unusable input gives the flat model, never an error."""
+        raw = costs.get("rows") if isinstance(costs, dict) else None
+        rows = [r for r in (raw if isinstance(raw, list) else []) if isinstance(r, dict)
+                and isinstance(r.get("threads"), int) and r["threads"] > 0
+                and isinstance(r.get("per_step"), (int, float)) and 0 < r["per_step"] < 1e3]
+        counts = sorted({r["threads"] for r in rows})
+        if not counts:
+            return cls()
+        t = min(counts, key=lambda c: (abs(c - threads), -c))
+        per = {str(r.get("forward", "")): float(r["per_step"]) for r in rows if r["threads"] == t}
+        ver = {1: 1.0} if "step" in per else {}
+        for name, v in per.items():
+            m = re.fullmatch(r"verify\((\d+)\)", name)
+            if m:
+                ver[int(m.group(1))] = v
+        if 1 not in ver:
+            return cls()
+        widths = tuple(sorted(ver))
+        draft = tuple((kind, per[f"{kind} draft(8)"]) for kind in ("d3d", "dflash") if f"{kind} draft(8)" in per)
+        cpu = ((costs.get("machine_info") or {}).get("cpu") or "an unnamed CPU") if isinstance(costs, dict) else ""
+        src = f"cost breakdown measured on {cpu} at {t} thread(s), context {costs.get('ctx_len', '?')} tokens"
+        return cls(widths, tuple(ver[w] for w in widths), draft, src)
+
+
+def expected_tokens(probs: Sequence[float], k: int) -> float:
+    """E[tokens a verify of width k commits] when draft j is accepted with probability probs[j-1]
+    (given the drafts before it were): 1 + sum_{j<k} prod_{i<=j} probs[i-1]."""
+    e, run = 1.0, 1.0
+    for j in range(min(k - 1, len(probs))):
+        run *= min(1.0, max(0.0, float(probs[j])))
+        e += run
+    return e
+
+
+def verify_width(probs: Sequence[float], costs: CostModel, draft_cost: float = 0.0) -> int:
+    """The width k in 1..len(probs)+1 that maximises expected tokens per unit of round cost
+    (ties go to the wider verify). ``probs``: q_j(d_j) of the block's drafts."""
+    best_k, best = 1, -1.0
+    for k in range(1, len(probs) + 2):
+        rate = expected_tokens(probs, k) / max(1e-9, draft_cost + costs.verify_cost(k))
+        if rate >= best - 1e-12:
+            best_k, best = k, rate
+    return best_k

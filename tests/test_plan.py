@@ -1,0 +1,110 @@
+"""The verify plan: the width rule, the cost model read from a breakdown, and that a cut verify stays lossless."""
+
+import itertools
+
+import pytest
+from test_sampling import _assert_second_token_matches_target
+
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.decoding.plan import CostModel, expected_tokens, verify_width
+from d3d_core.decoding.trace import Trace
+from d3d_core.models.bundles import shipped_costs
+
+STEEP = CostModel(widths=(1, 2, 3, 8), verify=(1.0, 1.25, 1.6, 3.0), draft=(("d3d", 0.3), ("dflash", 0.1)), source="test")
+
+
+def test_expected_tokens_is_the_prefix_product_sum():
+    p = [0.5, 0.4, 1.0]
+    assert expected_tokens(p, 1) == 1.0
+    assert expected_tokens(p, 2) == pytest.approx(1.5)
+    assert expected_tokens(p, 3) == pytest.approx(1.7)
+    assert expected_tokens(p, 4) == pytest.approx(1.9)
+    assert expected_tokens(p, 9) == pytest.approx(1.9)  # past the drafts: nothing more to gain
+
+
+def test_width_maximises_tokens_per_cost_by_brute_force():
+    for probs in itertools.product([0.0, 0.2, 0.6, 0.95], repeat=4):
+        for draft in (0.0, 0.3, 1.0):
+            k = verify_width(probs, STEEP, draft)
+            rates = [expected_tokens(probs, j) / (draft + STEEP.verify_cost(j)) for j in range(1, 6)]
+            assert rates[k - 1] == pytest.approx(max(rates))
+            assert 1 <= k <= 5
+
+
+def test_flat_costs_verify_the_whole_block():
+    flat = CostModel()
+    for probs in ([0.0] * 7, [0.01] * 7, [0.9, 0.0, 0.3]):
+        assert verify_width(probs, flat, 0.5) == len(probs) + 1
+
+
+def test_interpolation_and_extrapolation():
+    assert STEEP.verify_cost(1) == 1.0
+    assert STEEP.verify_cost(2) == 1.25
+    assert STEEP.verify_cost(5) == pytest.approx(1.6 + (3.0 - 1.6) * 2 / 5)
+    assert STEEP.verify_cost(9) == pytest.approx(3.0 + (3.0 - 1.6) / 5)
+    assert STEEP.table(3) == [1.0, 1.25, 1.6]
+
+
+def test_cost_model_from_the_shipped_breakdown():
+    costs = shipped_costs("smollm2-135m")
+    two, one = CostModel.from_breakdown(costs, 2), CostModel.from_breakdown(costs, 1)
+    assert two.widths[0] == 1 and two.verify[0] == 1.0 and len(two.widths) >= 3
+    assert all(b >= a for a, b in zip(two.verify, two.verify[1:]))  # wider verifies cost more here
+    assert two.draft_cost("d3d") > two.draft_cost("dflash") > 0
+    assert one.verify_cost(8) != two.verify_cost(8)  # each thread count has its own rows
+    assert "thread" in two.source
+    assert CostModel.from_breakdown(costs, 64).widths == two.widths  # the closest thread count measured
+
+
+@pytest.mark.parametrize("bad", [None, {}, {"rows": "x"}, {"rows": [{"forward": "verify(4)", "threads": 2, "per_step": 1.2}]},
+                                 {"rows": [1, None, {"threads": "a"}]}])
+def test_unusable_breakdowns_give_the_flat_model(bad):
+    try:
+        m = CostModel.from_breakdown(bad, 2)
+    except Exception as e:  # pragma: no cover - the failure this test exists to catch
+        pytest.fail(f"raised {type(e).__name__}: {e}")
+    assert m == CostModel()
+
+
+@pytest.mark.parametrize("mode", ["dflash", "d3d-seq", "d3d-async"])
+def test_cut_verifies_stay_lossless_and_are_recorded(toy, mode):
+    cfg = DecodeConfig(mode=mode, max_new_tokens=60, block_size=6, stop_at_eos=False)
+    ar = decode(toy, "the cat sat", cfg.with_(mode="ar"))
+    cut = decode(toy, "the cat sat", cfg, costs=STEEP)
+    full = decode(toy, "the cat sat", cfg.with_(verify="full"), costs=STEEP)
+    assert cut.output_ids == ar.output_ids == full.output_ids
+    assert any(r.held_back for r in cut.rounds)  # the plan did cut some verifies
+    assert all(not r.held_back and len(r.draft_ids) == 5 for r in full.rounds)
+    for r in cut.rounds:
+        assert len(r.draft_ids) + len(r.held_back) == 5  # every drafted token is either verified or held back
+        assert len(r.target_ids) == len(r.draft_ids) + 1
+    assert cut.verify_costs == STEEP.table(6) and cut.cost_source == "test"
+    back = Trace.from_json(cut.to_json())
+    assert [r.held_back for r in back.rounds] == [r.held_back for r in cut.rounds]
+
+
+def test_a_cut_trace_without_the_new_fields_still_loads(toy):
+    d = decode(toy, "ab", DecodeConfig(mode="d3d-seq", max_new_tokens=8)).to_dict()
+    for r in d["rounds"]:
+        r.pop("held_back")
+    d.pop("verify_costs")
+    d.pop("cost_source")
+    assert Trace.from_dict(d).rounds[0].held_back == []
+
+
+def test_unknown_verify_rule_is_refused():
+    with pytest.raises(ValueError, match="verify rule must be one of adaptive, full"):
+        DecodeConfig(verify="some").validated()
+
+
+def test_rejection_sampling_over_a_cut_verify_keeps_the_target_distribution(toy):
+    """Widths chosen from the drafter's q: the output distribution is still the target's."""
+    widths = []
+    costs = CostModel(widths=(1, 2, 3), verify=(1.0, 1.1, 1.6), draft=(("d3d", 0.2),), source="test")
+    for seed in range(40):
+        tr = decode(toy, "ab", DecodeConfig(mode="d3d-seq", temperature=1.0, sampling="rejection", seed=seed, max_new_tokens=6,
+                                            block_size=3, stop_at_eos=False), costs=costs)
+        widths += [len(r.draft_ids) for r in tr.rounds]
+    assert len(set(widths)) >= 2  # the width really varies with q
+    _assert_second_token_matches_target(toy, "d3d-seq", "rejection", costs=costs)
