@@ -7,7 +7,7 @@ from test_sampling import _assert_second_token_matches_target
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
-from d3d_core.decoding.plan import CostModel, expected_tokens, verify_width
+from d3d_core.decoding.plan import CostModel, expected_tokens, monotone, verify_width
 from d3d_core.decoding.trace import Trace
 from d3d_core.models.bundles import shipped_costs
 
@@ -36,6 +36,14 @@ def test_flat_costs_verify_the_whole_block():
     flat = CostModel()
     for probs in ([0.0] * 7, [0.01] * 7, [0.9, 0.0, 0.3]):
         assert verify_width(probs, flat, 0.5) == len(probs) + 1
+
+
+def test_measured_dips_are_smoothed_away():
+    assert monotone([1.0, 1.2, 1.1, 1.5]) == pytest.approx([1.0, 1.15, 1.15, 1.5])
+    assert monotone([1.0, 0.96, 1.05]) == pytest.approx([0.98, 0.98, 1.05])
+    assert monotone([1.0, 1.1, 1.2]) == [1.0, 1.1, 1.2]
+    rows = [{"forward": f, "threads": 2, "per_step": v} for f, v in (("step", 1.0), ("verify(6)", 1.5), ("verify(7)", 1.3))]
+    assert CostModel.from_breakdown({"rows": rows}, 2).verify == pytest.approx((1.0, 1.4, 1.4))
 
 
 def test_interpolation_and_extrapolation():

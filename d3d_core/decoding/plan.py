@@ -17,7 +17,8 @@ the target's output, so at temperature 0 the committed tokens are still the targ
 at temperature > 0 rejection sampling over a draft-chosen prefix keeps the target's distribution.
 
 The costs come from the bundle's shipped cost breakdown (``python -m d3d_core.measure.costs``, which
-records the CPU it ran on), at the thread count the run uses. A bundle without one (the toy bundles,
+records the CPU it ran on), at the thread count the run uses, made non-decreasing in k (a timing dip
+between neighbouring widths is noise). A bundle without one (the toy bundles,
 GPU bundles) gets the flat model, verify(k) = 1 step for every k, under which the whole block is always
 worth verifying: the plan then changes nothing.
 """
@@ -81,10 +82,25 @@ class CostModel:
         if 1 not in ver:
             return cls()
         widths = tuple(sorted(ver))
+        verify = monotone([ver[w] for w in widths])
         draft = tuple((kind, per[f"{kind} draft(8)"]) for kind in ("d3d", "dflash") if f"{kind} draft(8)" in per)
         cpu = ((costs.get("machine_info") or {}).get("cpu") or "an unnamed CPU") if isinstance(costs, dict) else ""
         src = f"cost breakdown measured on {cpu} at {t} thread(s), context {costs.get('ctx_len', '?')} tokens"
-        return cls(widths, tuple(ver[w] for w in widths), draft, src)
+        return cls(widths, tuple(verify), draft, src)
+
+
+def monotone(costs: Sequence[float]) -> list:
+    """The closest non-decreasing sequence (least squares, pool-adjacent-violators): a wider verify does
+    the same work plus more, so a measured dip (verify(6) timed above verify(7) on a noisy host) is noise,
+    and a plan read from it would flip between widths for no reason."""
+    blocks = []  # [sum, count]
+    for c in costs:
+        blocks.append([float(c), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
 
 
 def expected_tokens(probs: Sequence[float], k: int) -> float:

@@ -209,8 +209,11 @@ def _profile_parts(fn, wall_ms: float, repeats: int = 3) -> dict:
     return {k: {"share": v / wall_ms, "ms": v} for k, v in parts.items()}
 
 
+VERIFY_WIDTHS = (2, 3, 4, 5, 6, 7, 8, 12, 16)  # every width the verify plan picks at B <= 8 is measured, not interpolated
+
+
 @torch.inference_mode()
-def breakdown(bundle, ctx_len: int = 300, block_sizes=(2, 4, 8, 16), hypotheses=(1, 2, 4, 8), threads=(1, 2),
+def breakdown(bundle, ctx_len: int = 300, block_sizes=VERIFY_WIDTHS, hypotheses=(1, 2, 4, 8), threads=(1, 2),
               repeats: int = 5, B_draft: int = 8) -> dict:
     """The cost breakdown (see the comment above) as a JSON-ready dict."""
     target = bundle.target
@@ -336,6 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=300, help="context length the forwards run at")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="comma list of intra-op thread counts")
+    ap.add_argument("--widths", default=",".join(map(str, VERIFY_WIDTHS)), help="verify widths B to time (the verify plan reads them)")
     ap.add_argument("--engine", choices=["fast", "eager"], default="fast", help="eager: the Hugging Face forward, F.linear drafters")
     ap.add_argument("--crossover", default="8,16,30", help="D3D drafter depths for the overlap crossover ('' skips it)")
     ap.add_argument("--out", default="results/costs.json")
@@ -343,7 +347,14 @@ def main(argv=None) -> int:
     fastops.set_enabled(args.engine == "fast")
     bundle = get_bundle(args.bundle)
     watch = QuietWatch()
-    res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")))
+    try:
+        widths = tuple(sorted({int(w) for w in args.widths.split(",") if w.strip()}))
+        if not widths or min(widths) < 2 or max(widths) > 64:
+            raise ValueError
+    except ValueError:
+        print(f"error: --widths must be a comma list of integers in 2..64, got {args.widths!r}", file=sys.stderr)
+        return 2
+    res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")), block_sizes=widths)
     if args.crossover.strip():
         res["overlap"] = overlap_crossover(bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
     res["machine_info"], res["quiet"] = machine_info(), watch.stop().to_json()
