@@ -29,8 +29,9 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 **On this machine it is not that cheap.** Measured on {cpu} ({ver[1]['threads']} threads): one step
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
-{(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here — the
-**Timeline** tab's economics panel shows that break-even τ for your own run, and the **Benchmarks**
+{(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
+block — which is why the engine's **verify plan** (below) checks only the drafts likely to pay. The
+**Timeline** tab's economics panel shows the break-even τ for your own run, and the **Benchmarks**
 tab where each forward's time goes.
 """
 
@@ -41,7 +42,7 @@ A verify over more tokens costs more on a CPU, and a weak drafter's later drafts
 engine verifies the prefix `d₁ … d_{k-1}` that maximises *expected tokens per unit of round cost*,
 `E[tokens | k] / (T_draft + T_verify(k))` with `E[tokens | k] = 1 + Σ_{j<k} Π_{i≤j} q_i(d_i)` — the
 drafter's own probabilities as its acceptance estimate, the bundle's measured cost table (in steps) for
-`T_verify(k)`. The drafts past `k` are **held back** (white cells in **Rounds**): drafted, never verified.
+`T_verify(k)`. The drafts past `k` are **held back** (pale yellow cells in **Rounds**): drafted, never verified.
 The width depends only on the drafter's side, never on the target's answer, so the output stays exactly
 the target's. τ drops a little (a held-back draft can no longer be accepted); time per token drops more.
 Choose **full** to verify all `B − 1` drafts, as the method's papers do on GPUs, where a wider verify is
@@ -147,7 +148,7 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
 | **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a red *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
-| **Why were some drafts never checked?** | **Rounds** tab: white cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
+| **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |

@@ -264,7 +264,7 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
 
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD = range(6)
 STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)"]
-STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FFFFFF"]
+STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FBEFB0"]
 
 
 def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:

@@ -415,7 +415,7 @@ def build_demo() -> gr.Blocks:
                             seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
                         verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
                                           info="adaptive: the target checks only the drafts expected to pay for the wider verify, from this "
-                                               "bundle's measured cost table (the rest are held back, shown white in Rounds); full: all B − 1 drafts")
+                                               "bundle's measured cost table (the rest are held back, pale yellow in Rounds); full: all B − 1 drafts")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
                                                       "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")

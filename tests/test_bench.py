@@ -130,3 +130,18 @@ def test_torchrun_two_processes_equal_one_process(tmp_path):
     assert [{k: r[k] for k in keys} for r in a["rows"]] == [{k: r[k] for k in keys} for r in b["rows"]]
     assert [(s["dataset"], s["mode"], s["n"], round(s["tau"], 9)) for s in a["summary"]] == \
            [(s["dataset"], s["mode"], s["n"], round(s["tau"], 9)) for s in b["summary"]]
+
+
+def test_compare_verify_runs_both_rules_in_one_run(tmp_path):
+    out = tmp_path / "v.json"
+    assert bench.main(["--bundle", "toy", "--modes", "ar,d3d-seq", "--data-dir", str(FIX), "--datasets", "gsm8k", "--n", "2",
+                       "--max-new-tokens", "12", "--block-size", "4", "--verify", "full", "--compare-verify", "--out", str(out),
+                       "--no-progress", "--peers", "none"]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["decode"]["verify"] == "full"
+    assert sorted(r["verify"] for r in res["rows"] if r["mode"] == "d3d-seq") == ["adaptive", "adaptive", "full", "full"]
+    assert set(res["verify_compare"]["d3d-seq"]) == {"adaptive", "full"}
+    main = [r for r in res["rows"] if r["mode"] == "d3d-seq" and r["verify"] == "full"]
+    s = next(s for s in res["summary"] if s["mode"] == "d3d-seq")
+    assert s["n"] == len(main) == 2  # the table holds the chosen rule's rows only
+    assert all(r["lossless"] for r in res["rows"])

