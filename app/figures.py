@@ -563,7 +563,13 @@ def bench_table(result: Optional[dict]) -> pd.DataFrame:
     cols = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"]
     if not result or not result.get("summary"):
         return pd.DataFrame(columns=cols)
-    df = pd.DataFrame(result["summary"])
+    summary = list(result["summary"])
+    main = ((result.get("config") or {}).get("decode") or {}).get("verify")
+    for mode, rules in (result.get("verify_compare") or {}).items():  # bench --compare-verify: the other rule, same run
+        for rule, v in rules.items():
+            if rule != main:
+                summary.append({"dataset": "average", "mode": f"{mode} (verify: {rule})", **v})
+    df = pd.DataFrame(summary)
     df = df[[c for c in cols if c in df.columns]]
     return df.round(3)
 

@@ -476,7 +476,7 @@ def build_demo() -> gr.Blocks:
                             "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
                 v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(service.DEFAULT_BUNDLE)
                 b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
-                b_table = gr.Dataframe(v_table, label="Measured (bench command)", interactive=False)
+                b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify: full) are the same run verifying every draft instead of the plan's prefix", interactive=False)
                 gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
                             "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
                             "Speculation pays when verify(B) costs about one step and a draft a small fraction of one.")

@@ -176,6 +176,11 @@ def test_bench_and_latency_check_tables():
     t = figures.latency_check_table(res)
     assert t.iloc[0]["error (probe)"] == 0.25 and t.iloc[0]["error (run)"] == 0.05
     assert figures.latency_check_table(None).empty and figures.bench_table(None).empty
+    res["config"] = {"decode": {"verify": "adaptive"}}
+    res["verify_compare"] = {"d3d-seq": {"adaptive": {"tau": 2.5, "speedup": 1.2, "tokens_per_s": 15.0},
+                                         "full": {"tau": 2.6, "speedup": 1.05, "tokens_per_s": 13.1}}}
+    t = figures.bench_table(res)
+    assert list(t["mode"]) == ["d3d-seq", "d3d-seq (verify: full)"] and list(t["speedup"]) == [1.2, 1.05]
 
 
 def test_block_sweep_figure_has_tau_and_speedup_panels():
