@@ -62,11 +62,13 @@ def test_cost_model_from_the_shipped_breakdown():
     assert two.draft_cost("d3d") > two.draft_cost("dflash") > 0
     assert one.verify_cost(8) != two.verify_cost(8)  # each thread count has its own rows
     assert "thread" in two.source
+    odd = dict(costs, machine_info="not a dict")
+    assert CostModel.from_breakdown(odd, 2).verify == two.verify and "unnamed CPU" in CostModel.from_breakdown(odd, 2).source
     assert CostModel.from_breakdown(costs, 64).widths == two.widths  # the closest thread count measured
 
 
 @pytest.mark.parametrize("bad", [None, {}, {"rows": "x"}, {"rows": [{"forward": "verify(4)", "threads": 2, "per_step": 1.2}]},
-                                 {"rows": [1, None, {"threads": "a"}]}])
+                                 {"rows": [1, None, {"threads": "a"}]}, {"rows": [{"forward": "verify(2)", "threads": 2, "per_step": "x"}]}])
 def test_unusable_breakdowns_give_the_flat_model(bad):
     try:
         m = CostModel.from_breakdown(bad, 2)

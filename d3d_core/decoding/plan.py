@@ -42,7 +42,7 @@ class CostModel:
     source: str = "flat: every verify width costs one step (no cost breakdown for this bundle)"
 
     def verify_cost(self, k: int) -> float:
-        """verify(k) / step, linear between measured widths, flat past the last one measured twice."""
+        """verify(k) / step: linear between measured widths; past the last one, the last segment's slope."""
         w, v = self.widths, self.verify
         if k <= w[0]:
             return v[0]
@@ -84,7 +84,8 @@ class CostModel:
         widths = tuple(sorted(ver))
         verify = monotone([ver[w] for w in widths])
         draft = tuple((kind, per[f"{kind} draft(8)"]) for kind in ("d3d", "dflash") if f"{kind} draft(8)" in per)
-        cpu = ((costs.get("machine_info") or {}).get("cpu") or "an unnamed CPU") if isinstance(costs, dict) else ""
+        info = costs.get("machine_info")
+        cpu = (info.get("cpu") if isinstance(info, dict) else None) or "an unnamed CPU"
         src = f"cost breakdown measured on {cpu} at {t} thread(s), context {costs.get('ctx_len', '?')} tokens"
         return cls(widths, tuple(verify), draft, src)
 
