@@ -7,7 +7,6 @@ drafter and the shipped pruning curve / bench sweep.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Iterator, Optional
 
@@ -17,7 +16,7 @@ from .decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_t
 from .limits import APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
-from .models.bundles import ASSETS, BUNDLES, DEFAULT_BUNDLE, get_bundle
+from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, get_bundle
 from .schemas import AppSettings, checked
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
@@ -137,16 +136,8 @@ def read_traces(data) -> list:
 def _asset_json(*parts, schema: Optional[str] = None) -> Optional[dict]:
     """A JSON file shipped under assets/, or None when absent or unreadable; checked against
     ``schemas.SCHEMAS[schema]`` when given (a shipped file that does not fit is an error, said at once)."""
-    p = ASSETS.joinpath(*parts)
-    if not p.is_file():
-        return None
-    try:
-        d = json.loads(p.read_text())
-    except ValueError:
-        return None
-    if not isinstance(d, dict):
-        return None
-    return checked(schema, d) if schema else d
+    d = asset_json(*parts)
+    return checked(schema, d) if schema and d is not None else d
 
 
 def pruning_curve(bundle_name: str) -> Optional[dict]:

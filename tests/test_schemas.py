@@ -6,6 +6,7 @@ import pytest
 
 from d3d_core import service
 from d3d_core.limits import APP_LIMITS
+from d3d_core.models import bundles
 from d3d_core.models.bundles import ASSETS
 from d3d_core.schemas import AppSettings, checked
 
@@ -34,7 +35,7 @@ def test_broken_files_are_named():
 def test_app_loaders_refuse_a_shipped_file_that_does_not_fit(tmp_path, monkeypatch):
     (tmp_path / "pruning").mkdir()
     (tmp_path / "pruning" / "x.json").write_text(json.dumps({"layers": 8}))
-    monkeypatch.setattr(service, "ASSETS", tmp_path)
+    monkeypatch.setattr(bundles, "ASSETS", tmp_path)  # the one reader of shipped assets: bundles.asset_json
     with pytest.raises(ValueError, match="pruning curve: missing field 'block_size'"):
         service.pruning_curve("x")
     assert service.pruning_curve("absent") is None

@@ -289,10 +289,10 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             finish = "cancelled"
             break
         draft, source = mode.draft(rnd, anchor)
-        held = []
+        q_drafts, held = (draft.probs if draft is not None else []), []  # q_j(d_j), computed once per round
         if draft is not None and cfg.verify == "adaptive":
-            k = verify_width(draft.probs, run.costs, mode.draft_cost())
-            held, draft = draft.ids[k - 1 :], draft.truncated(k - 1)
+            k = verify_width(q_drafts, run.costs, mode.draft_cost())
+            held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
         drafts = draft.ids if draft is not None else []
         mode.during_verify(rnd, anchor, draft)
         with run.lanes.target_ctx(), rec.span("target", "verify", rnd):
@@ -304,7 +304,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
         committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)
         rd = Round(
             index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(drafts),
-            draft_probs=draft.probs if draft is not None else [], target_ids=v.target_ids[: len(drafts) + 1],
+            draft_probs=q_drafts, target_ids=v.target_ids[: len(drafts) + 1],
             accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source, held_back=held,
         )
         mode.after_verify(rd, anchor, drafts, vout)

@@ -209,14 +209,20 @@ def acceptance_hists(rows: list) -> dict:
     return out
 
 
+def _variant_averages(rows: list, datasets: list, modes: list, keep) -> list:
+    """Summary rows of the drafting modes over the rows ``keep`` selects (every ar row kept: the shared
+    reference), averaged over datasets (or the one dataset)."""
+    rs = [r for r in rows if r["mode"] == "ar" or keep(r)]
+    where = "average" if len(datasets) > 1 else datasets[0]
+    return [s for s in summarize(rs, datasets, modes) if s["dataset"] == where and s["mode"] != "ar"]
+
+
 def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list, verify: str = "adaptive") -> dict:
     """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B), at one verify rule."""
     out: dict = {}
     for B in block_sizes:
-        rs = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == B and r.get("verify", verify) == verify)]
-        for s in summarize(rs, datasets, modes):
-            if s["dataset"] == ("average" if len(datasets) > 1 else datasets[0]) and s["mode"] != "ar":
-                out.setdefault(s["mode"], {})[str(B)] = {"tau": s["tau"], "speedup": s["speedup"]}
+        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and r.get("verify", verify) == verify):
+            out.setdefault(s["mode"], {})[str(B)] = {"tau": s["tau"], "speedup": s["speedup"]}
     return out
 
 
@@ -225,10 +231,8 @@ def verify_table(rows: list, datasets: list, modes: list, B: int) -> dict:
     datasets: what the verify plan buys, measured in one run (ar rows shared)."""
     out: dict = {}
     for v in sorted({r.get("verify") for r in rows if r["mode"] != "ar" and r.get("verify")}):
-        rs = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == B and r.get("verify") == v)]
-        for s in summarize(rs, datasets, modes):
-            if s["dataset"] == ("average" if len(datasets) > 1 else datasets[0]) and s["mode"] != "ar":
-                out.setdefault(s["mode"], {})[v] = {k: s[k] for k in ("tau", "speedup", "tokens_per_s")}
+        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and r.get("verify") == v):
+            out.setdefault(s["mode"], {})[v] = {k: s[k] for k in ("tau", "speedup", "tokens_per_s")}
     return out
 
 

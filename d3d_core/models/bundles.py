@@ -145,15 +145,20 @@ def _load(name: str, device: str) -> Bundle:
     return Bundle(name, target, tok, drafters, info, spec.description, costs=shipped_costs(name) if device == "cpu" else {})
 
 
+def asset_json(*parts) -> Optional[dict]:
+    """A JSON object shipped under assets/, or None when absent, unreadable or not an object."""
+    p = ASSETS.joinpath(*parts)
+    try:
+        d = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def shipped_costs(name: str) -> dict:
     """The bundle's shipped CPU cost breakdown (``python -m d3d_core.measure.costs --out``), or {} when
     there is none or it cannot be read (the verify plan then treats every width as one step)."""
-    p = ASSETS / "bench" / f"{name}-costs.json"
-    try:
-        d = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
+    return asset_json("bench", f"{name}-costs.json") or {}
 
 
 def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8) -> DrafterConfig:
