@@ -49,6 +49,22 @@ Choose **full** to verify all `B − 1` drafts, as the method's papers do on GPU
 nearly free — with a flat cost table the plan verifies the whole block anyway.
 """
 
+DRAFT_GATE = """
+### The draft gate: skip the draft when drafting has not paid lately
+Even a cut verify cannot help when the first draft itself is usually wrong: a round then pays
+`T_draft + T_verify(k)` for one token, more than the single step `ar` pays for the same token. On some
+prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right only about one time in
+five). So by default (**Drafting: gated**) the engine keeps a running estimate of what its drafted rounds
+earned, `(a + 1) / (T_draft + T_verify(k))` tokens per step of cost, averaged with weight ½ on the newest,
+and while it is below 1 — what a plain target step earns — it **skips the draft**: the target verifies the
+anchor alone, exactly an `ar` step (pale blue *no draft* rows in **Rounds**). Every few skipped rounds it
+drafts once as a **probe** (4 rounds, doubling after each probe that does not pay, up to 32); a probe that
+pays reopens the gate. Whether a round drafts depends only on earlier rounds, and a skipped round commits the
+target's own token, so the output is still exactly the target's. With a flat cost table (a GPU, the toy
+bundles) a drafted round always earns at least a token per step and the gate never closes. Choose
+**always** to draft every round.
+"""
+
 DRAFT_VERIFY = """
 ### Draft, then verify
 A cheap **drafter** proposes a **block** of `B` tokens in one pass: `[anchor, d₁ … d_{B-1}]`, where the
@@ -116,6 +132,7 @@ GLOSSARY = """
 | **target** | the large causal LM whose output must be reproduced exactly |
 | **drafter** | the cheap model that proposes a block of `B` tokens in one pass |
 | **block size `B`** | tokens per drafted block: the anchor plus `B-1` drafts (`ar` uses 1); the verify checks all of them (*full*) or the prefix the verify plan picks (*adaptive*) |
+| **draft gate / no draft** | *gated*: skip the draft, verifying the anchor alone like `ar`, while the drafted rounds have lately earned fewer tokens per step of cost than a plain step; a probe draft every few skipped rounds |
 | **verify plan / held back** | *adaptive*: verify only the drafts expected to pay for the wider verify on this bundle's cost table; the drafts past that width are *held back* (drafted, never verified) |
 | **round** | one draft + one target verify over the block |
 | **anchor** | the last committed token (the previous round's bonus); the block starts with it |
@@ -148,10 +165,11 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
 | **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a red *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
+| **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* to compare the tokens/s counters |
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """
 
-SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DFLASH, D3D, MISS, PRUNING]
+SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, PRUNING]

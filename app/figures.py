@@ -13,6 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from d3d_core.decoding.trace import Trace, idle_time, overlap_share
+from d3d_core.measure.bench import plan_label
 from d3d_core.measure.economics import race_economics
 
 # Okabe-Ito
@@ -262,9 +263,9 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
 
 # ----------------------------------------------------------------------------- rounds grid
 
-STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD = range(6)
-STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)"]
-STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FBEFB0"]
+STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)", "no draft (draft gate)"]
+STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FBEFB0", "#D5DEEA"]
 
 
 def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:
@@ -288,7 +289,13 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
         tr_ = [show(r.anchor_id)]
         hr = [f"round {r.index} · anchor at position {r.anchor_pos}: {pieces.get(r.anchor_id, r.anchor_id)!r}"]
         for j in range(1, B):
-            if j - 1 < len(r.draft_ids):
+            if r.draft_source == "skipped" and j == 1:
+                zr.append(STATE_SKIPPED)
+                tr_.append("no draft")
+                est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
+                hr.append(f"round {r.index} · no draft: the draft gate skipped it — drafting had lately earned {est} tokens per "
+                          "step of cost, below the 1 token per step a plain target step earns")
+            elif j - 1 < len(r.draft_ids):
                 d = r.draft_ids[j - 1]
                 if j <= r.accepted:
                     st = STATE_ACCEPTED
@@ -560,14 +567,19 @@ def overlap_text(costs: Optional[dict]) -> str:
 
 
 def bench_table(result: Optional[dict]) -> pd.DataFrame:
-    cols = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"]
+    cols = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap", "skipped"]
     if not result or not result.get("summary"):
         return pd.DataFrame(columns=cols)
     summary = list(result["summary"])
-    main = ((result.get("config") or {}).get("decode") or {}).get("verify")
-    for mode, rules in (result.get("verify_compare") or {}).items():  # bench --compare-verify: the other rule, same run
+    dec = (result.get("config") or {}).get("decode") or {}
+    main = plan_label((dec.get("verify"), dec.get("drafting", "always")))
+    for mode, plans in (result.get("plan_compare") or {}).items():  # bench --compare-verify / --compare-drafting, same run
+        for label, v in plans.items():
+            if label != main:
+                summary.append({"dataset": "average", "mode": f"{mode} ({label})", **v})
+    for mode, rules in (result.get("verify_compare") or {}).items():  # a result from before the draft gate
         for rule, v in rules.items():
-            if rule != main:
+            if rule != dec.get("verify"):
                 summary.append({"dataset": "average", "mode": f"{mode} (verify: {rule})", **v})
     df = pd.DataFrame(summary)
     df = df[[c for c in cols if c in df.columns]]

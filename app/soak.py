@@ -140,7 +140,7 @@ def race_args(cfg: SoakConfig, rng: random.Random, max_new: Optional[int] = None
     prompt = " ".join(rng.choice(WORDS) for _ in range(words)) + f" ({rng.randint(0, 10**6)})"
     temp = rng.choice([0.0, 0.0, 0.7])
     return [prompt, cfg.bundle, modes, rng.randint(2, 8), temp, max_new or cfg.max_new_tokens, rng.randint(1, 8),
-            rng.choice(["match", "rejection"]), rng.randint(0, 1000), rng.choice(["adaptive", "full"]), False]
+            rng.choice(["match", "rejection"]), rng.randint(0, 1000), rng.choice(["adaptive", "full"]), rng.choice(["gated", "always"]), False]
 
 
 def timed_race(c, args: list, stop_after: Optional[float] = None) -> dict:
@@ -314,7 +314,7 @@ def overload(cfg: SoakConfig, url: str) -> dict:
     rng = random.Random(cfg.seed + 7)
     solo = client(url)
     fixed = [f"Count the muffins: {rng.randint(0, 99)} and then some more.", cfg.bundle, ["ar", "d3d-seq"], 4, 0.0,
-             cfg.max_new_tokens, 4, "match", 0, "adaptive", False]
+             cfg.max_new_tokens, 4, "match", 0, "adaptive", "gated", False]
     base = [timed_race(solo, fixed)["total_s"] for _ in range(3)]
     baseline = statistics.median(base)
     outcomes = [None] * cfg.overload

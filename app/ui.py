@@ -102,6 +102,11 @@ def _rounds_view(state, mode, idx):
         return fig, figures.hypotheses_table(None, 0, {}), "No rounds."
     r = tr.rounds[idx]
     held = f" ({len(r.held_back)} more held back by the verify plan)" if r.held_back else ""
+    if r.draft_source == "skipped":
+        est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
+        return fig, figures.hypotheses_table(tr, idx, state["pieces"]), (
+            f"**Round {idx}** of {n}: **no draft** — the draft gate skipped it (drafting had lately earned {est} tokens per step "
+            f"of cost, below a plain step's 1), so the target verified the anchor alone → 1 token committed")
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
@@ -117,14 +122,14 @@ def _rounds_view(state, mode, idx):
 # ----------------------------------------------------------------------------- handlers
 
 
-def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, use_pruned, state):
+def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state):
     """Stream the race: columns after every round (throttled), plots at the end."""
     state = dict(state or empty_state())
     no = gr.skip()
     try:
         prompt = service.check_prompt(prompt)
         modes = service.check_modes(modes)
-        base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify)
+        base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting)
         if bundle not in service.bundle_names():
             raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
     except ValueError as e:
@@ -416,6 +421,10 @@ def build_demo() -> gr.Blocks:
                         verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
                                           info="adaptive: the target checks only the drafts expected to pay for the wider verify, from this "
                                                "bundle's measured cost table (the rest are held back, pale yellow in Rounds); full: all B − 1 drafts")
+                        drafting = gr.Radio(["gated", "always"], value="gated", label="Drafting",
+                                            info="gated: skip the draft (verify the anchor alone, like ar) while drafting has lately earned fewer "
+                                                 "tokens per step of cost than a plain step, probing now and then (pale blue 'no draft' rows in "
+                                                 "Rounds); always: draft every round")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
                                                       "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
@@ -476,7 +485,8 @@ def build_demo() -> gr.Blocks:
                             "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
                 v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(service.DEFAULT_BUNDLE)
                 b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
-                b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify: full) are the same run verifying every draft instead of the plan's prefix", interactive=False)
+                b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
+                                       "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
                 gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
                             "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
                             "Speculation pays when verify(B) costs about one step and a draft a small fraction of one.")
@@ -517,6 +527,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown(explain.DRAFT_VERIFY)
                 gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
                 gr.Markdown(explain.VERIFY_PLAN)
+                gr.Markdown(explain.DRAFT_GATE)
                 gr.Markdown(explain.DFLASH)
                 gr.Plot(figures.diagram_dflash(), label="DFlash")
                 gr.Markdown(explain.D3D)
@@ -537,7 +548,7 @@ def build_demo() -> gr.Blocks:
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
-            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, use_pruned, state], race_outputs,
+            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state], race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )
         run_ev = run_ev.then(race_views, [state], view_outputs, api_name="race_views")

@@ -15,7 +15,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .decoding.config import SAMPLING_RULES, DecodeConfig
-from .decoding.plan import VERIFY_RULES
+from .decoding.plan import DRAFTING_RULES, VERIFY_RULES
 from .decoding.trace import MODES
 from .limits import APP_BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
 
@@ -83,6 +83,7 @@ class AppSettings(BaseModel):
     sampling: Literal[SAMPLING_RULES] = "match"
     seed: int = _ranged("seed", 0)
     verify: Literal[VERIFY_RULES] = "adaptive"
+    drafting: Literal[DRAFTING_RULES] = "gated"
 
     @field_validator("block_size", "max_new_tokens", "hypotheses", "seed", mode="before")
     @classmethod
@@ -171,6 +172,7 @@ class BenchRow(_Open):
     overlap: Optional[float] = None
     lossless: Optional[bool] = None  # output == the ar output (None: no reference)
     accepted_hist: dict[str, int] = {}
+    skipped_rounds: int = 0  # rounds the draft gate skipped (no draft: an AR step)
     span_ms: dict[str, dict[str, float]] = {}
 
 
@@ -186,6 +188,7 @@ class BenchSummary(_Open):
     lossless_rate: Optional[float] = None
     hit_rate: Optional[float] = None
     overlap: Optional[float] = None
+    skipped: Optional[float] = None  # share of rounds the draft gate skipped
     tokens: int
 
 

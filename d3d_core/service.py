@@ -22,10 +22,11 @@ from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
 
 def settings(mode="d3d-async", block_size=8, temperature=0.0, max_new_tokens=128, hypotheses=4,
-             sampling="match", seed=0, verify="adaptive") -> DecodeConfig:
+             sampling="match", seed=0, verify="adaptive", drafting="gated") -> DecodeConfig:
     """Build a DecodeConfig from loosely typed UI values (``schemas.AppSettings``); ValueError with a readable message."""
     return AppSettings.parse(mode=mode, block_size=block_size, temperature=temperature, max_new_tokens=max_new_tokens,
-                             hypotheses=hypotheses, sampling=sampling, seed=seed, verify=verify).decode_config()
+                             hypotheses=hypotheses, sampling=sampling, seed=seed, verify=verify,
+                             drafting=drafting).decode_config()
 
 
 def check_modes(modes) -> list:

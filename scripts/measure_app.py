@@ -66,7 +66,7 @@ def main() -> int:
         res["bundle_load_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         job = c.submit(args.prompt, "smollm2-135m", ["ar", "dflash", "d3d-seq", "d3d-async"], 8, 0, args.max_new_tokens, 4,
-                       "match", 0, False, api_name="/race")
+                       "match", 0, "adaptive", "gated", False, api_name="/race")
         first_round = None
         while not job.done():
             outs = job.outputs()

@@ -15,7 +15,7 @@ def client(app_server):
 
 
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash", "d3d-seq", "d3d-async"], block_size=4,
-            temperature=0, max_new_tokens=32, hypotheses=8, sampling="match", seed=0, verify="adaptive", use_pruned=False)
+            temperature=0, max_new_tokens=32, hypotheses=8, sampling="match", seed=0, verify="adaptive", drafting="gated", use_pruned=False)
 
 
 def test_named_endpoints(client):
@@ -50,7 +50,8 @@ def test_race_streams_and_finishes(client):
 def test_race_bad_input_gives_message(client):
     for key, bad, msg in [("prompt", "   ", "prompt is empty"), ("prompt", "x" * 5000, "prompt is too long"),
                           ("block_size", 40, "greater than maximum value 16"), ("hypotheses", 99, "greater than maximum value 32"),
-                          ("modes", [], "at least one mode"), ("temperature", -1, "less than minimum value 0")]:
+                          ("modes", [], "at least one mode"), ("temperature", -1, "less than minimum value 0"),
+                          ("drafting", "sometimes", "not in the list of choices: ['gated', 'always']")]:
         m = api_message(client, "/race", *dict(RACE, **{key: bad}).values())
         assert msg in m, (key, m)
         assert "Traceback" not in m
@@ -100,7 +101,7 @@ def test_stop_endpoint(client):
 def test_stop_ends_a_real_run_within_a_round_and_the_next_run_works(client):
     import time
 
-    job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, "adaptive", False,
+    job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, "adaptive", "gated", False,
                         api_name="/race")
     deadline = time.time() + 120
     while time.time() < deadline and not any("Running" in str(o[0]) for o in job.outputs()):

@@ -140,8 +140,23 @@ def test_compare_verify_runs_both_rules_in_one_run(tmp_path):
     res = json.loads(out.read_text())
     assert res["config"]["decode"]["verify"] == "full"
     assert sorted(r["verify"] for r in res["rows"] if r["mode"] == "d3d-seq") == ["adaptive", "adaptive", "full", "full"]
-    assert set(res["verify_compare"]["d3d-seq"]) == {"adaptive", "full"}
+    assert set(res["plan_compare"]["d3d-seq"]) == {"verify adaptive, drafting gated", "verify full, drafting gated"}
     main = [r for r in res["rows"] if r["mode"] == "d3d-seq" and r["verify"] == "full"]
     s = next(s for s in res["summary"] if s["mode"] == "d3d-seq")
     assert s["n"] == len(main) == 2  # the table holds the chosen rule's rows only
     assert all(r["lossless"] for r in res["rows"])
+
+
+def test_compare_drafting_runs_both_rules_and_counts_skipped_rounds(tmp_path):
+    out = tmp_path / "g.json"
+    assert bench.main(["--bundle", "toy", "--modes", "ar,d3d-seq,dflash", "--data-dir", str(FIX), "--datasets", "gsm8k", "--n", "2",
+                       "--max-new-tokens", "12", "--block-size", "4", "--compare-drafting", "--out", str(out),
+                       "--no-progress", "--peers", "none"]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["decode"]["drafting"] == "gated"
+    assert sorted(r["drafting"] for r in res["rows"] if r["mode"] == "d3d-seq") == ["always", "always", "gated", "gated"]
+    pc = res["plan_compare"]["dflash"]
+    assert set(pc) == {"verify adaptive, drafting gated", "verify adaptive, drafting always"}
+    assert all(0 <= v["skipped"] <= 1 for v in pc.values())
+    assert all(r["lossless"] for r in res["rows"]) and all(isinstance(r["skipped_rounds"], int) for r in res["rows"])
+    assert {s["mode"]: s["skipped"] for s in res["summary"]}["ar"] is None

@@ -75,6 +75,23 @@ def test_rounds_grid_states(traces, pieces):
     assert len(part.data[0].z) == 3
 
 
+def test_rounds_grid_marks_rounds_the_draft_gate_skipped(pieces):
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import decode
+    from d3d_core.decoding.plan import CostModel
+    from d3d_core.models.bundles import get_bundle
+
+    costly = CostModel(widths=(1, 8), verify=(1.0, 2.0), draft=(("d3d", 2.0),), source="test")
+    tr = decode(get_bundle("toy"), "the cat", DecodeConfig(mode="d3d-seq", block_size=4, max_new_tokens=30, stop_at_eos=False), costs=costly)
+    hm = figures.rounds_grid_figure(tr, pieces).data[0]
+    skipped = [i for i, r in enumerate(tr.rounds) if r.draft_source == "skipped"]
+    assert skipped
+    for i in skipped:
+        assert list(hm.z[i][:2]) == [figures.STATE_ANCHOR, figures.STATE_SKIPPED] and hm.text[i][1] == "no draft"
+        assert "draft gate" in hm.hovertext[i][1] and f"{tr.rounds[i].gate_rate:.2f}" in hm.hovertext[i][1]
+    assert all(row[1] != figures.STATE_SKIPPED for i, row in enumerate(hm.z) if i not in skipped)
+
+
 def test_hypotheses_table(traces, pieces):
     tr = traces[3]
     df = figures.hypotheses_table(tr, 0, pieces)
@@ -180,7 +197,13 @@ def test_bench_and_latency_check_tables():
     res["verify_compare"] = {"d3d-seq": {"adaptive": {"tau": 2.5, "speedup": 1.2, "tokens_per_s": 15.0},
                                          "full": {"tau": 2.6, "speedup": 1.05, "tokens_per_s": 13.1}}}
     t = figures.bench_table(res)
-    assert list(t["mode"]) == ["d3d-seq", "d3d-seq (verify: full)"] and list(t["speedup"]) == [1.2, 1.05]
+    assert list(t["mode"]) == ["d3d-seq", "d3d-seq (verify: full)"] and list(t["speedup"]) == [1.2, 1.05]  # a file from before the gate
+    del res["verify_compare"]
+    res["config"] = {"decode": {"verify": "adaptive", "drafting": "gated"}}
+    res["plan_compare"] = {"d3d-seq": {"verify adaptive, drafting gated": {"tau": 2.5, "speedup": 1.2, "tokens_per_s": 15.0, "skipped": 0.3},
+                                       "verify adaptive, drafting always": {"tau": 2.4, "speedup": 0.9, "tokens_per_s": 11.0, "skipped": 0.0}}}
+    t = figures.bench_table(res)
+    assert list(t["mode"]) == ["d3d-seq", "d3d-seq (verify adaptive, drafting always)"] and list(t["speedup"]) == [1.2, 0.9]
 
 
 def test_block_sweep_figure_has_tau_and_speedup_panels():

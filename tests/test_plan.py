@@ -7,7 +7,7 @@ from test_sampling import _assert_second_token_matches_target
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
-from d3d_core.decoding.plan import CostModel, expected_tokens, monotone, verify_width
+from d3d_core.decoding.plan import CostModel, DraftGate, expected_tokens, monotone, verify_width
 from d3d_core.decoding.trace import Trace
 from d3d_core.models.bundles import shipped_costs
 
@@ -79,7 +79,7 @@ def test_unusable_breakdowns_give_the_flat_model(bad):
 
 @pytest.mark.parametrize("mode", ["dflash", "d3d-seq", "d3d-async"])
 def test_cut_verifies_stay_lossless_and_are_recorded(toy, mode):
-    cfg = DecodeConfig(mode=mode, max_new_tokens=60, block_size=6, stop_at_eos=False)
+    cfg = DecodeConfig(mode=mode, max_new_tokens=60, block_size=6, stop_at_eos=False, drafting="always")  # the plan alone
     ar = decode(toy, "the cat sat", cfg.with_(mode="ar"))
     cut = decode(toy, "the cat sat", cfg, costs=STEEP)
     full = decode(toy, "the cat sat", cfg.with_(verify="full"), costs=STEEP)
@@ -118,3 +118,78 @@ def test_rejection_sampling_over_a_cut_verify_keeps_the_target_distribution(toy)
         widths += [len(r.draft_ids) for r in tr.rounds]
     assert len(set(widths)) >= 2  # the width really varies with q
     _assert_second_token_matches_target(toy, "d3d-seq", "rejection", costs=costs)
+
+
+# ----------------------------------------------------------------------------- the draft gate
+
+COSTLY = CostModel(widths=(1, 2, 8), verify=(1.0, 1.3, 2.5), draft=(("d3d", 2.0), ("dflash", 2.0)), source="test")
+
+
+def test_draft_gate_closes_probes_backs_off_and_reopens():
+    g = DraftGate()
+    assert g.wants_draft() and g.rate is None  # no evidence yet: draft
+    g.drafted(1, 2.0)  # one token for two steps of cost
+    assert g.rate == 0.5 and not g.is_open()
+    for _ in range(g.probe_every):
+        assert not g.wants_draft()
+        g.skip()
+    assert g.wants_draft()  # the probe
+    g.drafted(1, 2.0)
+    assert g.interval == 2 * g.probe_every and not g.wants_draft()  # a failed probe: probe half as often
+    for _ in range(2 * g.probe_every):
+        g.skip()
+    g.drafted(8, 2.0)  # a stretch where drafting pays again
+    assert g.is_open() and g.interval == g.probe_every and g.skipped == 0
+    for _ in range(10):
+        g.drafted(1, 2.0)
+        g.skip()
+    assert g.interval <= g.probe_max
+
+
+def test_under_the_flat_model_the_gate_never_skips(toy):
+    for mode in ("dflash", "d3d-seq", "d3d-async"):
+        tr = decode(toy, "the cat sat", DecodeConfig(mode=mode, max_new_tokens=40, stop_at_eos=False))
+        assert all(r.draft_source != "skipped" for r in tr.rounds) and all(r.gate_rate >= 1 for r in tr.rounds[1:])
+
+
+@pytest.mark.parametrize("mode", ["dflash", "d3d-seq", "d3d-async"])
+def test_gated_rounds_stay_lossless_and_the_drafter_catches_up(toy, mode):
+    """Costly drafts close the gate: skipped rounds verify the anchor alone, and the next draft sees every
+    token committed meanwhile — its drafts equal those of an always-drafting run at the same anchor."""
+    cfg = DecodeConfig(mode=mode, max_new_tokens=60, block_size=5, stop_at_eos=False)
+    ar = decode(toy, "the cat sat", cfg.with_(mode="ar"))
+    gated = decode(toy, "the cat sat", cfg, costs=COSTLY)
+    assert gated.output_ids == ar.output_ids
+    skipped = [r for r in gated.rounds if r.draft_source == "skipped"]
+    drafted = [r for r in gated.rounds if r.draft_source != "skipped"]
+    assert skipped and len(drafted) >= 3  # it skips, and it probes
+    assert all(not r.draft_ids and not r.held_back and r.hit is None and r.accepted == 0 for r in skipped)
+    assert all(r.gate_rate is not None for r in gated.rounds[1:])
+    # a probe after skipped rounds drafts what a fresh drafter would draft from the whole context
+    always = decode(toy, "the cat sat", cfg.with_(drafting="always", verify="full"), costs=COSTLY)
+    by_pos = {r.anchor_pos: r.draft_ids + r.held_back for r in always.rounds if r.draft_source in ("draft", "sync_draft")}
+    probes = [r for i, r in enumerate(gated.rounds) if i and gated.rounds[i - 1].draft_source == "skipped" and r.draft_source != "skipped" and r.anchor_pos in by_pos]
+    if mode != "d3d-async":  # async drafts after a miss too; its pairs are checked where they exist
+        assert probes
+    for r in probes:
+        assert r.draft_ids + r.held_back == by_pos[r.anchor_pos]
+    assert Trace.from_json(gated.to_json()).rounds == gated.rounds
+
+
+@pytest.mark.parametrize("mode", ["dflash", "d3d-seq", "d3d-async"])
+def test_a_closed_gate_samples_exactly_like_ar(toy, mode, monkeypatch):
+    """At temperature > 0 a skipped round is an AR step: with the gate closed from the start, the same seed
+    gives the same tokens as ar, token for token."""
+    from d3d_core.decoding import engine
+
+    monkeypatch.setattr(engine, "DraftGate", lambda: DraftGate(rate=0.0, probe_every=10**6))
+    for seed in range(5):
+        cfg = DecodeConfig(mode=mode, temperature=1.0, sampling="rejection", seed=seed, max_new_tokens=20, stop_at_eos=False, threads=1)
+        tr = decode(toy, "ab", cfg)
+        assert all(r.draft_source == "skipped" for r in tr.rounds)
+        assert tr.output_ids == decode(toy, "ab", cfg.with_(mode="ar")).output_ids
+
+
+def test_unknown_drafting_rule_is_refused():
+    with pytest.raises(ValueError, match="drafting rule must be one of gated, always"):
+        DecodeConfig(drafting="sometimes").validated()

@@ -18,7 +18,7 @@ from d3d_core.decoding.trace import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=list(MODES), block_size=4, temperature=0, max_new_tokens=32,
-            hypotheses=8, sampling="match", seed=0, verify="adaptive", use_pruned=False)
+            hypotheses=8, sampling="match", seed=0, verify="adaptive", drafting="gated", use_pruned=False)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ BAD_RACE_INPUTS = {
     "numbers": [("block_size", 0), ("block_size", 17), ("block_size", "eight"), ("hypotheses", 0), ("hypotheses", 33),
                 ("temperature", -0.5), ("temperature", 2.5), ("temperature", "hot"), ("max_new_tokens", 0), ("max_new_tokens", 100_000),
                 ("max_new_tokens", "many"), ("seed", -3)],
-    "names": [("bundle", "gpt-5"), ("modes", ["ar", "warp"]), ("modes", []), ("sampling", "nucleus")],
+    "names": [("bundle", "gpt-5"), ("modes", ["ar", "warp"]), ("modes", []), ("sampling", "nucleus"), ("drafting", "sometimes")],
 }
 
 

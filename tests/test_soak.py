@@ -36,7 +36,7 @@ def test_health_endpoint_answers_outside_the_queue(app_server):
     assert h["status"] == "ok" and h["queue_max"] == 16 and h["rss_mib"] > 100 and h["threads"] >= 1
     assert set(h) >= {"uptime_s", "races_served", "queue_length", "open_fds", "temp_files"}
     c = Client(url, verbose=False)
-    status = c.predict("what is two plus two?", "toy", ["ar"], 4, 0, 8, 4, "match", 0, "adaptive", False, api_name="/race")[0]
+    status = c.predict("what is two plus two?", "toy", ["ar"], 4, 0, 8, 4, "match", 0, "adaptive", "gated", False, api_name="/race")[0]
     assert status.startswith("**Done**"), status  # a finished race is not reported as stopped
     after = c.predict(api_name="/health")
     assert after["races_served"] == h["races_served"] + 1 and after["races_stopped"] == h["races_stopped"]

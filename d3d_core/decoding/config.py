@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from ..limits import BLOCK_MAX, BLOCK_MIN, MAX_HYPOTHESES, MAX_NEW_TOKENS, TEMPERATURE_MAX
-from .plan import VERIFY_RULES
+from .plan import DRAFTING_RULES, VERIFY_RULES
 from .trace import MODES
 
 SAMPLING_RULES = ("match", "rejection")
@@ -25,6 +25,7 @@ class DecodeConfig:
     stop_at_eos: bool = True
     threads: Optional[int] = None  # CPU intra-op threads; None: all cores (1 per lane in d3d-async)
     verify: str = "adaptive"  # "adaptive": verify the draft prefix that pays for itself (plan.py); "full": all B-1
+    drafting: str = "gated"  # "gated": skip the draft while drafting has not paid lately (plan.DraftGate); "always"
 
     def validated(self) -> "DecodeConfig":
         """Return self if every field is in range, else raise ValueError saying which."""
@@ -41,6 +42,8 @@ class DecodeConfig:
             raise ValueError(f"sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling!r}")
         if self.verify not in VERIFY_RULES:
             raise ValueError(f"verify rule must be one of {', '.join(VERIFY_RULES)}, got {self.verify!r}")
+        if self.drafting not in DRAFTING_RULES:
+            raise ValueError(f"drafting rule must be one of {', '.join(DRAFTING_RULES)}, got {self.drafting!r}")
         if self.threads is not None:
             _int_in(self.threads, "threads", 1, 256)
         return self

@@ -25,7 +25,7 @@ import torch
 
 from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache
 from .config import DecodeConfig
-from .plan import CostModel, verify_width
+from .plan import CostModel, DraftGate, verify_width
 from .sampling import accept, choose, probs
 from .timing import Lanes, Recorder, cpu_threads
 from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
@@ -284,11 +284,16 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     yield trace
 
     anchor, s, rnd = first, len(trace.prompt_ids), 0  # anchor token and its position
+    gate = DraftGate() if cfg.drafting == "gated" and mode.drafter is not None else None
     while not finish:
         if is_cancelled():
             finish = "cancelled"
             break
-        draft, source = mode.draft(rnd, anchor)
+        gate_rate = gate.rate if gate is not None else None
+        if gate is None or gate.wants_draft() or mode.has_ready_draft():
+            draft, source = mode.draft(rnd, anchor)
+        else:  # the draft gate: drafting has not paid lately, so this round is an AR step
+            draft, source = None, "skipped"
         q_drafts, held = (draft.probs if draft is not None else []), []  # q_j(d_j), computed once per round
         if draft is not None and cfg.verify == "adaptive":
             k = verify_width(q_drafts, run.costs, mode.draft_cost())
@@ -301,11 +306,16 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
             target.rollback(t_cache, len(drafts) - v.accepted)
         run.n_target_fwd += 1
+        if gate is not None and draft is not None:
+            gate.drafted(v.accepted + 1, mode.draft_cost() + run.costs.verify_cost(len(drafts) + 1))
+        elif gate is not None:
+            gate.skip()
         committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)
         rd = Round(
             index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(drafts),
             draft_probs=q_drafts, target_ids=v.target_ids[: len(drafts) + 1],
             accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source, held_back=held,
+            gate_rate=None if gate_rate is None else round(gate_rate, 4),
         )
         mode.after_verify(rd, anchor, drafts, vout)
         trace.rounds.append(rd)
@@ -366,11 +376,17 @@ class Mode:
         """This round's block: (Draft or None, draft_source)."""
         return None, ""
 
+    def has_ready_draft(self) -> bool:
+        """Is a block already drafted for this round (free to verify, whatever the draft gate says)?"""
+        return False
+
     def during_verify(self, rnd: int, anchor: int, draft) -> None:
-        """Start work that runs while the target verifies this round's block."""
+        """Start work that runs while the target verifies this round's block (``draft`` None: the
+        anchor alone, a round the draft gate skipped)."""
 
     def after_verify(self, rd: Round, anchor: int, drafts: list, vout) -> None:
-        """Bring the drafter up to date with the verdict (``rd`` may be annotated)."""
+        """Bring the drafter up to date with the verdict (``rd`` may be annotated). After a skipped round the
+        committed tokens wait for the next draft, so what the drafter has not seen yet accumulates."""
 
     def draft_cost(self) -> float:
         """What drafting a block costs in target steps, as the verify plan counts it (its round's fixed cost)."""
@@ -403,7 +419,8 @@ class DFlashMode(Mode):
         return self._timed_draft("draft", rnd, lambda: dflash_draft(self.drafter, self.cache, feats, anchor, self.run.cfg, self.run.gen_d)), "draft"
 
     def after_verify(self, rd, anchor, drafts, vout):
-        self.pending_feats = vout.feats[:, : rd.accepted + 1]  # anchor + accepted drafts, as the target saw them
+        new = vout.feats[:, : rd.accepted + 1]  # anchor + accepted drafts, as the target saw them
+        self.pending_feats = new if self.pending_feats is None else torch.cat([self.pending_feats, new], 1)
 
 
 class D3DSeqMode(Mode):
@@ -425,7 +442,7 @@ class D3DSeqMode(Mode):
         return self._timed_draft("draft", rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), "draft"
 
     def after_verify(self, rd, anchor, drafts, vout):
-        self.pending_ctx = [anchor] + drafts[: rd.accepted]
+        self.pending_ctx += [anchor] + drafts[: rd.accepted]
 
 
 class D3DAsyncMode(Mode):
@@ -441,6 +458,7 @@ class D3DAsyncMode(Mode):
         self.ready: Optional[Draft] = None  # the hit hypothesis's drafted block
         self.packed = None  # future of this round's packed pass
         self._prefill = None
+        self.pending_ctx: list = []  # anchors of skipped rounds (no packed pass committed them)
         self.hits = self.rounds = 0
 
     def draft_cost(self):
@@ -459,14 +477,22 @@ class D3DAsyncMode(Mode):
         self._prefill.result()
         self.run.n_draft_fwd += 1
 
+    def has_ready_draft(self):
+        return self.ready is not None
+
     def draft(self, rnd, anchor):
         if self.ready is not None:
             d, self.ready = self.ready, None
             return d, "packed_draft"
-        kind = "sync_draft" if rnd > 0 else "draft"  # the drafter's context is already committed
-        return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, [], anchor, self.run.cfg, self.run.gen_d)), kind
+        kind = "sync_draft" if rnd > 0 else "draft"  # the packed passes committed the context, skipped rounds aside
+        ctx, self.pending_ctx = self.pending_ctx, []
+        return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), kind
 
     def during_verify(self, rnd, anchor, draft):
+        if draft is None:  # a skipped round: nothing to draft successors from
+            self.packed = None
+            return
+
         def work():
             with self.run.rec.span("drafter", "packed_draft", rnd):
                 return d3d_packed(self.drafter, self.cache, anchor, draft, self.run.cfg, self.run.gen_d)
@@ -474,7 +500,10 @@ class D3DAsyncMode(Mode):
         self.packed = self.run.lanes.submit(work)
 
     def after_verify(self, rd, anchor, drafts, vout):
-        pr = self.packed.result()
+        if self.packed is None:
+            self.pending_ctx.append(anchor)
+            return
+        pr, self.packed = self.packed.result(), None
         self.run.n_draft_fwd += 1
         with self.run.lanes.drafter_ctx():  # every drafter-cache op stays on the drafter's stream (CUDA ordering)
             self.drafter.commit_kv(self.cache, pr.new_kv, rd.accepted + 1)  # x_s, d_1..d_a are committed now

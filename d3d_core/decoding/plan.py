@@ -123,3 +123,55 @@ def verify_width(probs: Sequence[float], costs: CostModel, draft_cost: float = 0
         if rate >= best - 1e-12:
             best_k, best = k, rate
     return best_k
+
+
+# ----------------------------------------------------------------------------- the draft gate
+
+DRAFTING_RULES = ("gated", "always")
+
+
+@dataclass
+class DraftGate:
+    """Whether a round drafts at all. A round that skips the draft verifies the anchor alone: one step of
+    cost for one token, AR's rate. A drafted round pays ``draft + verify(k)`` steps for ``accepted + 1``
+    tokens, which on a CPU is below one token per step whenever the drafter keeps missing (mt_bench with
+    the shipped drafters: the first draft is right about 1 time in 5). So the gate keeps a running
+    estimate of what drafting yields, tokens per step of cost over the drafted rounds (an exponential
+    moving average, weight ``alpha`` on the newest), drafts while it is at least ``threshold`` (1: AR's
+    rate), and otherwise skips, with a probe draft after ``interval`` skipped rounds so that a stretch
+    where drafting pays again is found. A probe that leaves the estimate low doubles the interval (up to
+    ``probe_max``); an estimate back above the threshold resets it.
+
+    Lossless: whether a round drafts depends on earlier rounds only, and a round without drafts commits the
+    target's own token; at temperature 0 the output is the target's greedy tokens either way. Under the flat
+    cost model (toy and GPU bundles: every verify one step, drafts free) a drafted round never yields less
+    than one token per step, so the gate never closes and nothing changes."""
+
+    threshold: float = 1.0
+    alpha: float = 0.5
+    probe_every: int = 4
+    probe_max: int = 32
+    rate: Optional[float] = None  # the running estimate; None before the first drafted round
+    skipped: int = 0  # rounds skipped since the last drafted one
+    interval: int = 0  # skipped rounds before the next probe (0: probe_every)
+
+    def is_open(self) -> bool:
+        return self.rate is None or self.rate >= self.threshold
+
+    def wants_draft(self) -> bool:
+        """Draft this round? Yes while open, and as a probe once ``interval`` rounds were skipped."""
+        return self.is_open() or self.skipped >= (self.interval or self.probe_every)
+
+    def drafted(self, tokens: int, cost: float) -> None:
+        """A drafted round committed ``tokens`` for ``cost`` steps (draft + verify, in the cost model's units)."""
+        was_open = self.is_open()
+        r = tokens / max(cost, 1e-9)
+        self.rate = r if self.rate is None else self.alpha * r + (1 - self.alpha) * self.rate
+        if self.is_open():
+            self.interval = self.probe_every
+        elif not was_open:  # a probe that failed: probe less often
+            self.interval = min(self.probe_max, 2 * (self.interval or self.probe_every))
+        self.skipped = 0
+
+    def skip(self) -> None:
+        self.skipped += 1

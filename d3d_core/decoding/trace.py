@@ -77,10 +77,11 @@ class Round:
     accepted: Int  # a: longest prefix with d_j == y_j (or accepted by rejection sampling)
     bonus: Int  # the target's token after the accepted prefix: next anchor
     committed: BlockIds  # tokens this round appended to the output (accepted + bonus, truncated at stop)
-    draft_source: Annotated[str, Strict(), Field(max_length=20)] = ""  # "", "draft", "sync_draft", "packed_draft"
+    draft_source: Annotated[str, Strict(), Field(max_length=20)] = ""  # "", "draft", "sync_draft", "packed_draft", "skipped"
     hypotheses: Annotated[list[Hypothesis], Field(max_length=MAX_TRACE_HYPOTHESES)] = field(default_factory=list)  # d3d-async
     hit: Optional[Bool] = None  # d3d-async: did one of them equal (accepted, bonus)?
     held_back: BlockIds = field(default_factory=list)  # drafts past the verify plan's width: drafted, never verified
+    gate_rate: Optional[Float] = None  # the draft gate's estimate (tokens per step when drafting) before this round; None: no gate
 
     @property
     def tokens(self) -> int:

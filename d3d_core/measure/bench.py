@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
-from ..decoding.plan import VERIFY_RULES
+from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES
 from ..decoding.trace import MODES
 from ..models import fastops
 from ..models.bundles import get_bundle
@@ -55,6 +55,7 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "overlap": st.overlap,
         "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
         "accepted_hist": _hist([r.accepted for r in trace.rounds]),
+        "skipped_rounds": sum(r.draft_source == "skipped" for r in trace.rounds),
         "span_ms": span_means(trace.spans),
     }
 
@@ -103,6 +104,7 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
         rounds = sum(r["rounds"] for r in rs)
         acc_tokens = sum(r["tau"] * r["rounds"] for r in rs if r["tau"] is not None)
         lossless = [r["lossless"] for r in rs if r["lossless"] is not None]
+        skipped = sum(r.get("skipped_rounds", 0) for r in rs) / rounds if rounds else None
         return {
             "dataset": dataset,
             "mode": mode,
@@ -113,6 +115,7 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
             "lossless_rate": (sum(lossless) / len(lossless)) if lossless else None,
             "hit_rate": _mean([r["hit_rate"] for r in rs]),
             "overlap": _mean([r["overlap"] for r in rs]),
+            "skipped": skipped if mode not in PEERS and mode != "ar" else None,
             "tokens": toks + len(rs),
         }
 
@@ -128,7 +131,7 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
             if not per:
                 continue
             avg = {"dataset": "average", "mode": m, "n": sum(s["n"] for s in per), "tokens": sum(s["tokens"] for s in per)}
-            for k in ("tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap"):
+            for k in ("tau", "tokens_per_s", "speedup", "lossless_rate", "hit_rate", "overlap", "skipped"):
                 avg[k] = _mean([s[k] for s in per])
             out.append(avg)
     return out
@@ -160,15 +163,24 @@ def item_ids(bundle, it, base: DecodeConfig) -> list:
     return bundle.tokenizer.encode_messages(msgs)
 
 
+def plan_of(row: dict) -> tuple:
+    """(verify rule, drafting rule) a bench row ran with; rows from before the draft gate drafted always."""
+    return row.get("verify"), row.get("drafting", "always")
+
+
+def plan_label(plan: tuple) -> str:
+    return f"verify {plan[0]}, drafting {plan[1]}"
+
+
 def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
-              block_sizes: Optional[list] = None, peers: tuple = (), verify_rules: Optional[list] = None) -> list:
-    """Decode every item with every mode (item-major; ar once per item, drafting modes once
-    per block size and verify rule, then each peer once). Returns per-(item, mode, block size, verify) rows."""
+              block_sizes: Optional[list] = None, peers: tuple = (), plans: Optional[list] = None) -> list:
+    """Decode every item with every mode (item-major; ar once per item, drafting modes once per block size
+    and plan, (verify rule, drafting rule), then each peer once). Returns per-(item, mode, block size, plan) rows."""
     from tqdm import tqdm
 
     drafters = drafters or {}
     block_sizes = block_sizes or [base.block_size]
-    verify_rules = verify_rules or [base.verify]
+    plans = plans or [(base.verify, base.drafting)]
     if not items:
         return []
     # warm-up (untimed): first calls pay allocator / kernel selection costs
@@ -176,24 +188,24 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
         decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
     rows = []
     draft_modes = [m for m in modes if m != "ar"]
-    n_runs = ("ar" in modes) + len(draft_modes) * len(block_sizes) * len(verify_rules) + len(peers)
+    n_runs = ("ar" in modes) + len(draft_modes) * len(block_sizes) * len(plans) + len(peers)
     bar = tqdm(total=len(items) * n_runs, desc="bench", file=sys.stderr, disable=not progress)
     for it in items:
         ids = item_ids(bundle, it, base)
         ref = None
-        runs = ([("ar", base.block_size, base.verify)] if "ar" in modes else []) + [
-            (m, B, v) for v in verify_rules for B in block_sizes for m in draft_modes]
-        for m, B, v in runs:
-            tr = decode(bundle, ids, base.with_(mode=m, block_size=B, verify=v), drafter=drafters.get(m))
+        runs = ([("ar", base.block_size, (base.verify, base.drafting))] if "ar" in modes else []) + [
+            (m, B, pl) for pl in plans for B in block_sizes for m in draft_modes]
+        for m, B, (v, dr) in runs:
+            tr = decode(bundle, ids, base.with_(mode=m, block_size=B, verify=v, drafting=dr), drafter=drafters.get(m))
             if m == "ar":
                 ref = tr.output_ids
             greedy = base.temperature == 0
             rows.append(dict(row_of(it, tr, (tr.output_ids if m == "ar" else ref) if greedy and ref is not None else None),
-                             block_size=B, verify=v))
+                             block_size=B, verify=v, drafting=dr))
             bar.set_postfix(mode=m, B=B, tau=f"{tr.stats.tau:.2f}")
             bar.update(1)
         for p in peers:
-            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size, verify=base.verify))
+            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size, verify=base.verify, drafting=base.drafting))
             bar.update(1)
     bar.close()
     return rows
@@ -217,22 +229,26 @@ def _variant_averages(rows: list, datasets: list, modes: list, keep) -> list:
     return [s for s in summarize(rs, datasets, modes) if s["dataset"] == where and s["mode"] != "ar"]
 
 
-def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list, verify: str = "adaptive") -> dict:
-    """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B), at one verify rule."""
+def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list, plan: tuple = ("adaptive", "gated")) -> dict:
+    """{mode: {B: {"tau", "speedup"}}} averaged over datasets (ar rows shared by every B), at one plan."""
     out: dict = {}
     for B in block_sizes:
-        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and r.get("verify", verify) == verify):
+        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and plan_of(r) == plan):
             out.setdefault(s["mode"], {})[str(B)] = {"tau": s["tau"], "speedup": s["speedup"]}
     return out
 
 
-def verify_table(rows: list, datasets: list, modes: list, B: int) -> dict:
-    """{mode: {rule: {"tau", "speedup", "tokens_per_s"}}} per verify rule at block size B, averaged over
-    datasets: what the verify plan buys, measured in one run (ar rows shared)."""
+def plan_table(rows: list, datasets: list, modes: list, B: int) -> dict:
+    """{mode: {plan label: {"tau", "speedup", "tokens_per_s", "skipped"}}} per plan (verify rule, drafting rule)
+    at block size B, averaged over datasets: what the verify plan and the draft gate buy, measured in one run
+    (ar rows shared). ``skipped``: the share of rounds the draft gate skipped."""
     out: dict = {}
-    for v in sorted({r.get("verify") for r in rows if r["mode"] != "ar" and r.get("verify")}):
-        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and r.get("verify") == v):
-            out.setdefault(s["mode"], {})[v] = {k: s[k] for k in ("tau", "speedup", "tokens_per_s")}
+    for pl in sorted({plan_of(r) for r in rows if r["mode"] != "ar" and r.get("verify")}):
+        keep = lambda r: r["block_size"] == B and plan_of(r) == pl  # noqa: E731
+        for s in _variant_averages(rows, datasets, modes, keep):
+            mine = [r for r in rows if r["mode"] == s["mode"] and keep(r)]
+            skipped = sum(r.get("skipped_rounds", 0) for r in mine) / max(1, sum(r["rounds"] for r in mine))
+            out.setdefault(s["mode"], {})[plan_label(pl)] = {**{k: s[k] for k in ("tau", "speedup", "tokens_per_s")}, "skipped": skipped}
     return out
 
 
@@ -261,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", choices=list(VERIFY_RULES), default=DecodeConfig().verify,
                    help="adaptive: verify the draft prefix that pays for itself on this bundle's cost table; full: all B-1 drafts")
     p.add_argument("--compare-verify", action="store_true", help="also run every drafting mode with the other verify rule (same run)")
+    p.add_argument("--drafting", choices=list(DRAFTING_RULES), default=DecodeConfig().drafting,
+                   help="gated: skip the draft while drafting has not paid lately (the draft gate); always: draft every round")
+    p.add_argument("--compare-drafting", action="store_true", help="also run every drafting mode with the other drafting rule (same run)")
     p.add_argument("--block-sizes", default="", help="sweep: comma list of block sizes (e.g. 2,4,8,16); the table uses --block-size")
     p.add_argument("--out", default="results/bench.json")
     p.add_argument("--no-progress", action="store_true")
@@ -286,6 +305,7 @@ def main(argv=None) -> int:
         base = DecodeConfig(
             mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             hypotheses=args.hypotheses, sampling=args.sampling, seed=args.seed, threads=args.threads, verify=args.verify,
+            drafting=args.drafting,
         ).validated()
         items_by_ds = {ds: load_benchmark(ds, args.n, args.seed, args.data_dir) for ds in datasets}
         bundle = get_bundle(args.bundle, args.device)
@@ -294,7 +314,9 @@ def main(argv=None) -> int:
         return 2
     try:
         block_sizes = sorted({int(b) for b in args.block_sizes.split(",") if b.strip()} | {base.block_size}) if args.block_sizes else [base.block_size]
-        verify_rules = [base.verify] + ([v for v in VERIFY_RULES if v != base.verify] if args.compare_verify else [])
+        plans = [(base.verify, base.drafting)]
+        plans += [(v, base.drafting) for v in VERIFY_RULES if v != base.verify and args.compare_verify]
+        plans += [(base.verify, d) for d in DRAFTING_RULES if d != base.drafting and args.compare_drafting]
         for B in block_sizes:
             base.with_(block_size=B).validated()
     except ValueError as e:
@@ -308,13 +330,13 @@ def main(argv=None) -> int:
     for ds in datasets:
         mine = dist.shard(items_by_ds[ds])
         rows += run_bench(bundle, mine, modes, base, progress=not args.no_progress and dist.rank == 0, drafters=drafters,
-                          block_sizes=block_sizes, peers=tuple(peers), verify_rules=verify_rules)
+                          block_sizes=block_sizes, peers=tuple(peers), plans=plans)
     rows = dist.gather(rows)
     if dist.rank != 0:
         dist.close()
         return 0
     rows.sort(key=lambda r: (datasets.index(r["dataset"]), r["id"], r["mode"], r["block_size"]))
-    main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and r["verify"] == base.verify)]
+    main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and plan_of(r) == plans[0])]
     summary = summarize(main_rows, datasets, modes + peers)
     quiet = watch.stop()
     result = {
@@ -328,9 +350,9 @@ def main(argv=None) -> int:
         "acceptance_hist": acceptance_hists(main_rows),
     }
     if len(block_sizes) > 1:
-        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes, base.verify)
-    if len(verify_rules) > 1:
-        result["verify_compare"] = verify_table(rows, datasets, modes, base.block_size)
+        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes, plans[0])
+    if len(plans) > 1:
+        result["plan_compare"] = plan_table(rows, datasets, modes, base.block_size)
     if args.cost_probe:
 
         result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
@@ -342,10 +364,10 @@ def main(argv=None) -> int:
     print(table_text(summary))
     if quiet.noisy:
         print(f"\nWARNING: {quiet.warning}", file=sys.stderr)
-    if "verify_compare" in result:
-        print(f"\nverify rule at B={base.block_size} (τ / speedup):")
-        for m, pts in result["verify_compare"].items():
-            print(f"  {m:10s} " + "  ".join(f"{v}: {x['tau']:.2f} / {_fmt(x['speedup'])}x" for v, x in pts.items()))
+    if "plan_compare" in result:
+        print(f"\nplans at B={base.block_size} (τ / speedup / rounds skipped by the draft gate):")
+        for m, pts in result["plan_compare"].items():
+            print(f"  {m:10s} " + "  ".join(f"{v}: {x['tau']:.2f} / {_fmt(x['speedup'])}x / {x['skipped']:.0%}" for v, x in pts.items()))
     if "sweep" in result:
         print("\nblock-size sweep (τ / speedup):")
         for m, pts in result["sweep"].items():
