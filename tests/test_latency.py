@@ -84,12 +84,13 @@ def test_contention_from_a_concurrent_probe():
 def test_in_run_validation_uses_the_runs_own_span_costs():
     from d3d_core.measure.latency import validate_in_run
 
-    sp = lambda **kw: {k: {"mean": v, "n": 10} for k, v in kw.items()}  # noqa: E731
+    sp = lambda n=10, **kw: {k: {"mean": v, "n": n} for k, v in kw.items()}  # noqa: E731
     rows = [
-        {"dataset": "d", "mode": "ar", "block_size": 8, "span_ms": sp(verify=80.0)},
-        {"dataset": "d", "mode": "d3d-seq", "block_size": 8, "span_ms": sp(draft=40.0, verify=100.0)},
-        {"dataset": "d", "mode": "d3d-async", "block_size": 8, "span_ms": sp(sync_draft=50.0, packed_draft=90.0, verify=120.0)},
-        {"dataset": "d", "mode": "d3d-seq", "block_size": 4, "span_ms": sp(draft=1.0, verify=1.0)},  # sweep row: ignored
+        {"dataset": "d", "mode": "ar", "block_size": 8, "rounds": 10, "span_ms": sp(verify=80.0)},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 8, "rounds": 10, "span_ms": sp(draft=40.0, verify=100.0)},
+        {"dataset": "d", "mode": "d3d-async", "block_size": 8, "rounds": 10,
+         "span_ms": {**sp(sync_draft=50.0, n=5), **sp(packed_draft=90.0, verify=120.0)}},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 4, "rounds": 10, "span_ms": sp(draft=1.0, verify=1.0)},  # sweep row: ignored
     ]
     summary = [
         {"dataset": "d", "mode": "ar", "tau": 1.0, "speedup": 1.0},
@@ -99,8 +100,24 @@ def test_in_run_validation_uses_the_runs_own_span_costs():
     res = {r["mode"]: r for r in validate_in_run({"config": {"decode": {"block_size": 8}}, "rows": rows, "summary": summary})}
     assert set(res) == {"d3d-seq", "d3d-async"}
     assert res["d3d-seq"]["predicted_speedup"] == pytest.approx(80 / (140 / 2.8))  # 1.6
-    assert res["d3d-async"]["predicted_speedup"] == pytest.approx(80 / ((120 + 0.5 * 50) / 3.0))
+    assert res["d3d-async"]["predicted_speedup"] == pytest.approx(80 / ((120 + 0.5 * 50) / 3.0))  # 5 misses in 10 rounds
     assert res["d3d-seq"]["error"] == pytest.approx((1.6 - 1.5) / 1.5)
+
+
+def test_in_run_validation_prices_rounds_the_draft_gate_skipped_as_steps():
+    from d3d_core.measure.latency import validate_in_run
+
+    rows = [
+        {"dataset": "d", "mode": "ar", "block_size": 8, "rounds": 10, "span_ms": {"verify": {"mean": 50.0, "n": 10}}},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 8, "rounds": 10, "verify": "adaptive", "drafting": "gated",
+         "span_ms": {"step": {"mean": 50.0, "n": 6}, "verify": {"mean": 60.0, "n": 4}, "draft": {"mean": 20.0, "n": 4}}},
+        {"dataset": "d", "mode": "d3d-seq", "block_size": 8, "rounds": 10, "verify": "adaptive", "drafting": "always",  # another plan
+         "span_ms": {"verify": {"mean": 1.0, "n": 10}, "draft": {"mean": 1.0, "n": 10}}},
+    ]
+    summary = [{"dataset": "d", "mode": "ar", "tau": 1.0, "speedup": 1.0}, {"dataset": "d", "mode": "d3d-seq", "tau": 1.8, "speedup": 1.4}]
+    dec = {"block_size": 8, "verify": "adaptive", "drafting": "gated"}
+    (res,) = validate_in_run({"config": {"decode": dec}, "rows": rows, "summary": summary})
+    assert res["predicted_speedup"] == pytest.approx(50 / ((4 * (60 + 20) + 6 * 50) / 10 / 1.8))
 
 
 def test_project_bench_uses_measured_tau_per_profile():

@@ -56,18 +56,19 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
         "accepted_hist": _hist([r.accepted for r in trace.rounds]),
         "skipped_rounds": sum(r.draft_source == "skipped" for r in trace.rounds),
-        "span_ms": span_means(trace.spans),
+        "span_ms": span_means(trace.spans, {r.index for r in trace.rounds if r.draft_source == "skipped"}),
     }
 
 
-def span_means(spans) -> dict:
+def span_means(spans, skipped: frozenset = frozenset()) -> dict:
     """{kind: {"mean": ms, "n": count}} over the decode rounds' spans (prefill excluded): the
-    costs this run actually paid, which the latency model's in-run check uses."""
+    costs this run actually paid, which the latency model's in-run check uses. The verifies of rounds the
+    draft gate skipped (the anchor alone: a step) are kept apart as ``step``."""
     acc: dict = {}
     for sp in spans:
         if sp.round < 0:
             continue
-        a = acc.setdefault(sp.kind, [0.0, 0])
+        a = acc.setdefault("step" if sp.kind == "verify" and sp.round in skipped else sp.kind, [0.0, 0])
         a[0] += sp.duration
         a[1] += 1
     return {k: {"mean": t / n, "n": n} for k, (t, n) in acc.items()}

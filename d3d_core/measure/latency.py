@@ -257,13 +257,15 @@ def validate_in_run(result: dict) -> list:
         verify = mean_span(mine, "verify")
         if step is None or verify is None:
             continue
-        hit = s.get("hit_rate") or 0.0
-        if s["mode"] == "d3d-async":
-            packed = mean_span(mine, "packed_draft") or 0.0
-            sync = mean_span(mine, "sync_draft") or mean_span(mine, "draft") or 0.0
-            rnd = max(verify, packed) + (1.0 - hit) * sync
+        # every span this mode paid, summed; a round the draft gate skipped paid one step (its "step" span)
+        total = lambda kind: sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in mine if kind in r["span_ms"])  # noqa: E731
+        rounds = sum(r["rounds"] for r in mine)
+        n_drafted = rounds - sum(r["span_ms"].get("step", {}).get("n", 0) for r in mine)
+        if s["mode"] == "d3d-async":  # verify and the packed pass overlap: the longer one counts
+            drafted = n_drafted * max(verify, mean_span(mine, "packed_draft") or 0.0) + total("sync_draft") + total("draft")
         else:
-            rnd = (mean_span(mine, "draft") or 0.0) + verify
+            drafted = total("draft") + total("verify")
+        rnd = (drafted + total("step")) / max(1, rounds)
         pred = step / (rnd / s["tau"])
         out.append({"dataset": s["dataset"], "mode": s["mode"], "tau": s["tau"], "hit_rate": s.get("hit_rate"),
                     "measured_speedup": s["speedup"], "predicted_speedup": pred,
