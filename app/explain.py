@@ -56,7 +56,8 @@ Even a cut verify cannot help when the first draft itself is usually wrong: a ro
 prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right only about one time in
 five). So by default (**Drafting: gated**) the engine keeps a running estimate of what its drafted rounds
 earned, `(a + 1) / (T_draft + T_verify(k))` tokens per step of cost, averaged with weight ½ on the newest,
-and while it is below 1 — what a plain target step earns — it **skips the draft**: the target verifies the
+and while it is below what a plain target step earns — 1; in `d3d-async` the step time on one core over
+that on all cores, since a skipped round has nothing to overlap and runs on every core — it **skips the draft**: the target verifies the
 anchor alone, exactly an `ar` step (pale blue *no draft* rows in **Rounds**). Every few skipped rounds it
 drafts once as a **probe** (4 rounds, doubling after each probe that does not pay, up to 32); a probe that
 pays reopens the gate. Whether a round drafts depends only on earlier rounds, and a skipped round commits the

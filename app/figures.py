@@ -294,7 +294,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 tr_.append("no draft")
                 est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
                 hr.append(f"round {r.index} · no draft: the draft gate skipped it — drafting had lately earned {est} tokens per "
-                          "step of cost, below the 1 token per step a plain target step earns")
+                          "step of cost, below what a plain target step earns (1; more in d3d-async, whose skipped rounds use every core)")
             elif j - 1 < len(r.draft_ids):
                 d = r.draft_ids[j - 1]
                 if j <= r.accepted:

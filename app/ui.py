@@ -106,7 +106,7 @@ def _rounds_view(state, mode, idx):
         est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
         return fig, figures.hypotheses_table(tr, idx, state["pieces"]), (
             f"**Round {idx}** of {n}: **no draft** — the draft gate skipped it (drafting had lately earned {est} tokens per step "
-            f"of cost, below a plain step's 1), so the target verified the anchor alone → 1 token committed")
+            f"of cost, below what a round without a draft earns), so the target verified the anchor alone → 1 token committed")
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))

@@ -182,7 +182,7 @@ def test_a_closed_gate_samples_exactly_like_ar(toy, mode, monkeypatch):
     gives the same tokens as ar, token for token."""
     from d3d_core.decoding import engine
 
-    monkeypatch.setattr(engine, "DraftGate", lambda: DraftGate(rate=0.0, probe_every=10**6))
+    monkeypatch.setattr(engine, "DraftGate", lambda **kw: DraftGate(rate=0.0, probe_every=10**6))
     for seed in range(5):
         cfg = DecodeConfig(mode=mode, temperature=1.0, sampling="rejection", seed=seed, max_new_tokens=20, stop_at_eos=False, threads=1)
         tr = decode(toy, "ab", cfg)
@@ -193,3 +193,26 @@ def test_a_closed_gate_samples_exactly_like_ar(toy, mode, monkeypatch):
 def test_unknown_drafting_rule_is_refused():
     with pytest.raises(ValueError, match="drafting rule must be one of gated, always"):
         DecodeConfig(drafting="sometimes").validated()
+
+
+def test_async_gate_threshold_is_the_step_speedup_of_every_core(monkeypatch):
+    """d3d-async's lanes get one thread each, but a skipped round runs on every core: it earns more than one of
+    the one-thread steps the plan counts in, and the gate's threshold says how many."""
+    costs = CostModel.from_breakdown(shipped_costs("smollm2-135m"), 1)
+    ms = dict(costs.step_ms)
+    assert set(ms) >= {1, 2} and costs.step_speedup(1, 2) == pytest.approx(ms[1] / ms[2]) and costs.step_speedup(1, 2) > 1
+    assert costs.step_speedup(1, 1) == 1.0 and CostModel().step_speedup(1, 2) == 1.0  # unmeasured: 1
+    from d3d_core.decoding import engine
+
+    seen = []
+    monkeypatch.setattr(engine, "DraftGate", lambda **kw: seen.append(kw) or DraftGate(**kw))
+    from d3d_core.models.bundles import get_bundle
+
+    toy = get_bundle("toy")
+    for mode in ("d3d-seq", "d3d-async"):
+        decode(toy, "ab", DecodeConfig(mode=mode, max_new_tokens=4, threads=None), costs=costs)
+    import torch
+
+    n = torch.get_num_threads()
+    assert seen[0]["threshold"] == 1.0  # d3d-seq: its skipped and drafted rounds run on the same cores
+    assert seen[1]["threshold"] == pytest.approx(costs.step_speedup(1, n))

@@ -228,6 +228,7 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
 
     device = bundle.target.device
     threads = cfg.threads or (1 if (strategy_cls.concurrent and device.type == "cpu") else torch.get_num_threads())
+    solo = cfg.threads or torch.get_num_threads()  # for work that runs while the other lane is idle
     costs = costs or CostModel.from_breakdown(getattr(bundle, "costs", None), threads)
     trace = Trace(
         mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
@@ -236,7 +237,7 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     lanes = Lanes(device, strategy_cls.concurrent)
     try:
         with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
-            run = Run(bundle.target, cfg, lanes, Recorder(device), costs)
+            run = Run(bundle.target, cfg, lanes, Recorder(device), costs, solo_threads=solo if device.type == "cpu" else None)
             yield from _loop(run, strategy_cls(run, drafter), trace, bundle.tokenizer, is_cancelled)
     finally:
         lanes.close()
@@ -259,6 +260,14 @@ class Run:
     gen_d: torch.Generator = field(default_factory=lambda: torch.Generator())  # drafter side (drafter lane)
     n_target_fwd: int = 0
     n_draft_fwd: int = 0
+    solo_threads: Optional[int] = None  # CPU threads for work while the other lane is idle (d3d-async's lanes get one each)
+
+    def solo(self):
+        """Run the enclosed forward on every core: only where the lanes split the cores (d3d-async) and the
+        drafter lane is idle — a round the draft gate skipped, or a synchronous draft."""
+        if self.solo_threads is None or not self.lanes.concurrent or self.solo_threads == torch.get_num_threads():
+            return contextlib.nullcontext()
+        return cpu_threads(self.solo_threads)
 
     def __post_init__(self):
         self.gen_t.manual_seed(self.cfg.seed)
@@ -284,7 +293,9 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     yield trace
 
     anchor, s, rnd = first, len(trace.prompt_ids), 0  # anchor token and its position
-    gate = DraftGate() if cfg.drafting == "gated" and mode.drafter is not None else None
+    gate = None
+    if cfg.drafting == "gated" and mode.drafter is not None:
+        gate = DraftGate(threshold=run.costs.step_speedup(torch.get_num_threads(), run.solo_threads) if run.solo_threads else 1.0)
     while not finish:
         if is_cancelled():
             finish = "cancelled"
@@ -300,7 +311,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
         drafts = draft.ids if draft is not None else []
         mode.during_verify(rnd, anchor, draft)
-        with run.lanes.target_ctx(), rec.span("target", "verify", rnd):
+        with run.lanes.target_ctx(), rec.span("target", "verify", rnd), (run.solo() if draft is None else contextlib.nullcontext()):
             vout = target.verify(t_cache, torch.tensor([anchor] + drafts, dtype=torch.long), mode.feature_layers)
             q = draft.dense() if draft is not None and cfg.temperature > 0 else None  # only rejection sampling reads q
             v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
@@ -486,7 +497,8 @@ class D3DAsyncMode(Mode):
             return d, "packed_draft"
         kind = "sync_draft" if rnd > 0 else "draft"  # the packed passes committed the context, skipped rounds aside
         ctx, self.pending_ctx = self.pending_ctx, []
-        return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), kind
+        with self.run.solo():  # nothing runs on the target lane meanwhile
+            return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), kind
 
     def during_verify(self, rnd, anchor, draft):
         if draft is None:  # a skipped round: nothing to draft successors from

@@ -40,6 +40,13 @@ class CostModel:
     verify: tuple = (1.0,)  # verify(width) / step(1), one per width
     draft: tuple = ()  # ((kind, draft / step), ...) for "d3d" and "dflash"
     source: str = "flat: every verify width costs one step (no cost breakdown for this bundle)"
+    step_ms: tuple = ()  # ((threads, ms of one step), ...) for every thread count the breakdown measured
+
+    def step_speedup(self, threads: int, solo: int) -> float:
+        """How many times faster a step runs on ``solo`` threads than on ``threads`` (1 when unmeasured): what a
+        round the draft gate skips earns, in this model's steps, when it may use every core (d3d-async)."""
+        ms = dict(self.step_ms)
+        return ms[threads] / ms[solo] if threads in ms and solo in ms and ms[solo] > 0 else 1.0
 
     def verify_cost(self, k: int) -> float:
         """verify(k) / step: linear between measured widths; past the last one, the last segment's slope."""
@@ -87,7 +94,9 @@ class CostModel:
         info = costs.get("machine_info")
         cpu = (info.get("cpu") if isinstance(info, dict) else None) or "an unnamed CPU"
         src = f"cost breakdown measured on {cpu} at {t} thread(s), context {costs.get('ctx_len', '?')} tokens"
-        return cls(widths, tuple(verify), draft, src)
+        steps = tuple(sorted((r["threads"], float(r["wall_ms"])) for r in rows if r.get("forward") == "step"
+                             and isinstance(r.get("wall_ms"), (int, float)) and r["wall_ms"] > 0))
+        return cls(widths, tuple(verify), draft, src, steps)
 
 
 def monotone(costs: Sequence[float]) -> list:
@@ -137,8 +146,9 @@ class DraftGate:
     tokens, which on a CPU is below one token per step whenever the drafter keeps missing (mt_bench with
     the shipped drafters: the first draft is right about 1 time in 5). So the gate keeps a running
     estimate of what drafting yields, tokens per step of cost over the drafted rounds (an exponential
-    moving average, weight ``alpha`` on the newest), drafts while it is at least ``threshold`` (1: AR's
-    rate), and otherwise skips, with a probe draft after ``interval`` skipped rounds so that a stretch
+    moving average, weight ``alpha`` on the newest), drafts while it is at least ``threshold`` (what a
+    skipped round earns: 1, AR's rate; more in d3d-async, whose skipped rounds run on every core while its
+    drafted rounds' verifies get one: ``CostModel.step_speedup``), and otherwise skips, with a probe draft after ``interval`` skipped rounds so that a stretch
     where drafting pays again is found. A probe that leaves the estimate low doubles the interval (up to
     ``probe_max``); an estimate back above the threshold resets it.
 
