@@ -12,8 +12,8 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
+from d3d_core.decoding.plan import plan_label
 from d3d_core.decoding.trace import Trace, idle_time, overlap_share
-from d3d_core.measure.bench import plan_label
 from d3d_core.measure.economics import race_economics
 
 # Okabe-Ito

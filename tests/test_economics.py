@@ -105,3 +105,15 @@ def test_export_is_one_offline_page_that_loads_back(race, toy):
     assert [t.output_ids for t in back] == [t.output_ids for t in race]
     with pytest.raises(ValueError):
         race_html([], {})
+
+
+def test_the_sentence_says_how_many_rounds_the_draft_gate_left_undrafted(toy):
+    from d3d_core.decoding.plan import CostModel
+
+    costly = CostModel(widths=(1, 8), verify=(1.0, 2.0), draft=(("d3d", 2.0),), source="test")
+    cfg = DecodeConfig(max_new_tokens=30, block_size=4, stop_at_eos=False)
+    race = [decode(toy, "count: 1, 2, 3", cfg.with_(mode="ar")), decode(toy, "count: 1, 2, 3", cfg.with_(mode="d3d-seq"), costs=costly)]
+    e = {x.mode: x for x in race_economics(race)}["d3d-seq"]
+    n = sum(r.draft_source == "skipped" for r in race[1].rounds)
+    assert n > 0 and e.skipped == n and f"{n / e.rounds:.0%} of rounds left undrafted by the draft gate" in e.sentence()
+    assert next(x for x in race_economics(race) if x.mode == "ar").skipped == 0

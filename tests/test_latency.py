@@ -139,3 +139,18 @@ def test_projection_skips_peers_without_tau():
                        {"dataset": "gsm8k", "mode": "hf-generate", "tau": None}]}
     rows = project_bench(res)
     assert rows and {r["mode"] for r in rows} == {"d3d-seq"}
+
+
+def test_projection_uses_the_always_drafting_rows_of_a_gated_table():
+    """A gated table's τ counts undrafted rounds as 1; the profiles model rounds that all draft, so the same run's
+    drafting-always τ and hit rate are projected when the bench measured them."""
+    from d3d_core.measure.latency import project_bench
+
+    res = {"config": {"decode": {"block_size": 8, "hypotheses": 4, "verify": "adaptive", "drafting": "gated"}},
+           "summary": [{"dataset": "average", "mode": "d3d-async", "tau": 1.1, "hit_rate": 0.2, "speedup": 1.0}],
+           "plan_compare": {"d3d-async": {"verify adaptive, drafting always": {"tau": 1.6, "hit_rate": 0.3, "speedup": 0.7},
+                                          "verify adaptive, drafting gated": {"tau": 1.1, "hit_rate": 0.2, "speedup": 1.0}}}}
+    rows = project_bench(res)
+    assert rows and all(r["tau"] == 1.6 and r["hit_rate"] == 0.3 for r in rows)
+    del res["plan_compare"]
+    assert all(r["tau"] == 1.1 for r in project_bench(res))  # no comparison measured: the table's own

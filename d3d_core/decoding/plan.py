@@ -139,6 +139,11 @@ def verify_width(probs: Sequence[float], costs: CostModel, draft_cost: float = 0
 DRAFTING_RULES = ("gated", "always")
 
 
+def plan_label(plan: tuple) -> str:
+    """How tables name a (verify rule, drafting rule) pair."""
+    return f"verify {plan[0]}, drafting {plan[1]}"
+
+
 @dataclass
 class DraftGate:
     """Whether a round drafts at all. A round that skips the draft verifies the anchor alone: one step of

@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
-from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES
+from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES, plan_label
 from ..decoding.trace import MODES
 from ..models import fastops
 from ..models.bundles import get_bundle
@@ -169,10 +169,6 @@ def plan_of(row: dict) -> tuple:
     return row.get("verify"), row.get("drafting", "always")
 
 
-def plan_label(plan: tuple) -> str:
-    return f"verify {plan[0]}, drafting {plan[1]}"
-
-
 def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
               block_sizes: Optional[list] = None, peers: tuple = (), plans: Optional[list] = None) -> list:
     """Decode every item with every mode (item-major; ar once per item, drafting modes once per block size
@@ -249,7 +245,7 @@ def plan_table(rows: list, datasets: list, modes: list, B: int) -> dict:
         for s in _variant_averages(rows, datasets, modes, keep):
             mine = [r for r in rows if r["mode"] == s["mode"] and keep(r)]
             skipped = sum(r.get("skipped_rounds", 0) for r in mine) / max(1, sum(r["rounds"] for r in mine))
-            out.setdefault(s["mode"], {})[plan_label(pl)] = {**{k: s[k] for k in ("tau", "speedup", "tokens_per_s")}, "skipped": skipped}
+            out.setdefault(s["mode"], {})[plan_label(pl)] = {**{k: s[k] for k in ("tau", "speedup", "tokens_per_s", "hit_rate")}, "skipped": skipped}
     return out
 
 

@@ -43,6 +43,7 @@ class Economics:
     ar_per_token_ms: Optional[float] = None
     speedup: Optional[float] = None
     break_even_tau: Optional[float] = None
+    skipped: int = 0  # rounds the draft gate skipped (no draft: each an ar step)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -67,6 +68,8 @@ class Economics:
         if idle_round > 0.05 * self.t_step_ms:
             parts += f" + other {steps(idle_round):.2f}"
         cost = f"a round costs {self.round_steps:.2f} ar steps ({parts})"
+        if self.skipped:
+            cost += f", with {self.skipped / self.rounds:.0%} of rounds left undrafted by the draft gate"
         if self.speedup < 1:
             return (f"{self.mode} is {self.speedup:.2f}× ar — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
                     f"it would tie ar at τ = {self.break_even_tau:.2f}.")
@@ -120,7 +123,7 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
         t_verify_ms=_mean(kinds("verify")) or 0.0, t_draft_ms=_mean(kinds("draft", "sync_draft")),
         t_packed_ms=_mean(kinds("packed_draft")), hit_rate=trace.stats.hit_rate,
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
-        idle_per_token_ms=idle * scale / tokens,
+        idle_per_token_ms=idle * scale / tokens, skipped=sum(r.draft_source == "skipped" for r in trace.rounds),
     )
     return e
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+from ..decoding.plan import plan_label
 from .tables import table_text
 
 
@@ -275,11 +276,17 @@ def validate_in_run(result: dict) -> list:
 
 def project_bench(result: dict, profiles: Optional[dict] = None, B: Optional[int] = None, H: Optional[int] = None) -> list:
     """Model-based speedup of every mode under each cost profile, fed with a bench result's
-    measured τ and hit rate (its 'average' rows, or the single dataset's)."""
+    measured τ and hit rate (its 'average' rows, or the single dataset's). The profiles model rounds that
+    all draft (on a GPU a drafted round always pays, so the draft gate never closes); where the table's
+    rows were gated and the run also drafted every round (``--compare-drafting``), those rows' τ and hit
+    rate are the ones projected."""
     profiles = profiles or PRESETS
     dec = result["config"]["decode"]
     B, H = B or dec["block_size"], H or dec["hypotheses"]
     rows = [s for s in result["summary"] if s["dataset"] == "average"] or result["summary"]
+    always = plan_label((dec.get("verify"), "always"))
+    every = {m: v[always] for m, v in (result.get("plan_compare") or {}).items() if always in v}
+    rows = [{**s, **{k: every[s["mode"]][k] for k in ("tau", "hit_rate") if k in every.get(s["mode"], {})}} for s in rows]
     out = []
     for name, p in profiles.items():
         for s in rows:
