@@ -68,13 +68,12 @@ class Economics:
         if idle_round > 0.05 * self.t_step_ms:
             parts += f" + other {steps(idle_round):.2f}"
         cost = f"a round costs {self.round_steps:.2f} ar steps ({parts})"
-        if self.skipped:
-            cost += f", with {self.skipped / self.rounds:.0%} of rounds left undrafted by the draft gate"
+        gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
         if self.speedup < 1:
             return (f"{self.mode} is {self.speedup:.2f}× ar — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
-                    f"it would tie ar at τ = {self.break_even_tau:.2f}.")
+                    f"it would tie ar at τ = {self.break_even_tau:.2f}.{gate}")
         return (f"{self.mode} is {self.speedup:.2f}× ar: {cost} and commits τ = {self.tau:.2f} tokens, "
-                f"above the break-even τ = {self.break_even_tau:.2f}.")
+                f"above the break-even τ = {self.break_even_tau:.2f}.{gate}")
 
 
 def _mean(xs: list) -> Optional[float]:
