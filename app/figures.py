@@ -12,7 +12,7 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
-from d3d_core.decoding.plan import plan_label
+from d3d_core.decoding.plan import plan_label, plan_of
 from d3d_core.decoding.trace import Trace, idle_time, overlap_share
 from d3d_core.measure.economics import race_economics
 
@@ -289,7 +289,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
         tr_ = [show(r.anchor_id)]
         hr = [f"round {r.index} · anchor at position {r.anchor_pos}: {pieces.get(r.anchor_id, r.anchor_id)!r}"]
         for j in range(1, B):
-            if r.draft_source == "skipped" and j == 1:
+            if r.skipped and j == 1:
                 zr.append(STATE_SKIPPED)
                 tr_.append("no draft")
                 est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
@@ -572,7 +572,7 @@ def bench_table(result: Optional[dict]) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     summary = list(result["summary"])
     dec = (result.get("config") or {}).get("decode") or {}
-    main = plan_label((dec.get("verify"), dec.get("drafting", "always")))
+    main = plan_label(plan_of(dec))
     for mode, plans in (result.get("plan_compare") or {}).items():  # bench --compare-verify / --compare-drafting, same run
         for label, v in plans.items():
             if label != main:

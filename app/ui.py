@@ -102,7 +102,7 @@ def _rounds_view(state, mode, idx):
         return fig, figures.hypotheses_table(None, 0, {}), "No rounds."
     r = tr.rounds[idx]
     held = f" ({len(r.held_back)} more held back by the verify plan)" if r.held_back else ""
-    if r.draft_source == "skipped":
+    if r.skipped:
         est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
         return fig, figures.hypotheses_table(tr, idx, state["pieces"]), (
             f"**Round {idx}** of {n}: **no draft** — the draft gate skipped it (drafting had lately earned {est} tokens per step "

@@ -139,6 +139,12 @@ def verify_width(probs: Sequence[float], costs: CostModel, draft_cost: float = 0
 DRAFTING_RULES = ("gated", "always")
 
 
+def plan_of(settings: dict, verify: Optional[str] = None) -> tuple:
+    """(verify rule, drafting rule) of a bench row or a decode config (as a dict); ``verify`` stands in where the
+    row has none. Rows from before the draft gate drafted every round."""
+    return settings.get("verify", verify), settings.get("drafting", "always")
+
+
 def plan_label(plan: tuple) -> str:
     """How tables name a (verify rule, drafting rule) pair."""
     return f"verify {plan[0]}, drafting {plan[1]}"

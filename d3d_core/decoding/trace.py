@@ -87,6 +87,11 @@ class Round:
     def tokens(self) -> int:
         return self.accepted + 1
 
+    @property
+    def skipped(self) -> bool:
+        """Did the draft gate skip this round's draft (the anchor verified alone, an ar step)?"""
+        return self.draft_source == "skipped"
+
 
 @with_config(_STRICT)
 @dataclass

@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
-from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES, plan_label
+from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES, plan_label, plan_of
 from ..decoding.trace import MODES
 from ..models import fastops
 from ..models.bundles import get_bundle
@@ -40,6 +40,7 @@ from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
 
 def row_of(item, trace, ref_ids: Optional[list]) -> dict:
     st = trace.stats
+    skipped = {r.index for r in trace.rounds if r.skipped}
     return {
         "dataset": item.dataset,
         "id": item.id,
@@ -55,8 +56,8 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "overlap": st.overlap,
         "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
         "accepted_hist": _hist([r.accepted for r in trace.rounds]),
-        "skipped_rounds": sum(r.draft_source == "skipped" for r in trace.rounds),
-        "span_ms": span_means(trace.spans, {r.index for r in trace.rounds if r.draft_source == "skipped"}),
+        "skipped_rounds": len(skipped),
+        "span_ms": span_means(trace.spans, skipped),
     }
 
 
@@ -164,11 +165,6 @@ def item_ids(bundle, it, base: DecodeConfig) -> list:
     return bundle.tokenizer.encode_messages(msgs)
 
 
-def plan_of(row: dict) -> tuple:
-    """(verify rule, drafting rule) a bench row ran with; rows from before the draft gate drafted always."""
-    return row.get("verify"), row.get("drafting", "always")
-
-
 def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=True, drafters: Optional[dict] = None,
               block_sizes: Optional[list] = None, peers: tuple = (), plans: Optional[list] = None) -> list:
     """Decode every item with every mode (item-major; ar once per item, drafting modes once per block size
@@ -238,14 +234,11 @@ def sweep_table(rows: list, datasets: list, modes: list, block_sizes: list, plan
 def plan_table(rows: list, datasets: list, modes: list, B: int) -> dict:
     """{mode: {plan label: {"tau", "speedup", "tokens_per_s", "skipped"}}} per plan (verify rule, drafting rule)
     at block size B, averaged over datasets: what the verify plan and the draft gate buy, measured in one run
-    (ar rows shared). ``skipped``: the share of rounds the draft gate skipped."""
+    (ar rows shared). ``skipped``: the share of rounds the draft gate skipped (averaged like the rest)."""
     out: dict = {}
     for pl in sorted({plan_of(r) for r in rows if r["mode"] != "ar" and r.get("verify")}):
-        keep = lambda r: r["block_size"] == B and plan_of(r) == pl  # noqa: E731
-        for s in _variant_averages(rows, datasets, modes, keep):
-            mine = [r for r in rows if r["mode"] == s["mode"] and keep(r)]
-            skipped = sum(r.get("skipped_rounds", 0) for r in mine) / max(1, sum(r["rounds"] for r in mine))
-            out.setdefault(s["mode"], {})[plan_label(pl)] = {**{k: s[k] for k in ("tau", "speedup", "tokens_per_s", "hit_rate")}, "skipped": skipped}
+        for s in _variant_averages(rows, datasets, modes, lambda r: r["block_size"] == B and plan_of(r) == pl):
+            out.setdefault(s["mode"], {})[plan_label(pl)] = {k: s[k] for k in ("tau", "speedup", "tokens_per_s", "hit_rate", "skipped")}
     return out
 
 

@@ -122,7 +122,7 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
         t_verify_ms=_mean(kinds("verify")) or 0.0, t_draft_ms=_mean(kinds("draft", "sync_draft")),
         t_packed_ms=_mean(kinds("packed_draft")), hit_rate=trace.stats.hit_rate,
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
-        idle_per_token_ms=idle * scale / tokens, skipped=sum(r.draft_source == "skipped" for r in trace.rounds),
+        idle_per_token_ms=idle * scale / tokens, skipped=sum(r.skipped for r in trace.rounds),
     )
     return e
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from ..decoding.plan import plan_label
+from ..decoding.plan import plan_label, plan_of
 from .tables import table_text
 
 
@@ -240,8 +240,7 @@ def validate_in_run(result: dict) -> list:
     model, is off. Rows without spans (old results) are skipped."""
     dec = result["config"]["decode"]
     rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) == dec["block_size"]
-            and (r["mode"] == "ar" or (r.get("verify", dec.get("verify")), r.get("drafting", "always"))
-                 == (dec.get("verify"), dec.get("drafting", "always")))]  # the table's plan only
+            and (r["mode"] == "ar" or plan_of(r, dec.get("verify")) == plan_of(dec))]  # the table's plan only
 
     def mean_span(rs, kind):
         t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])
