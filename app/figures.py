@@ -187,7 +187,8 @@ def acceptance_figure(traces: list) -> go.Figure:
             counts[min(r.accepted + 1, B)] += 1
         n = len(tr.rounds)
         fig.add_trace(go.Bar(
-            x=list(range(1, B + 1)), y=[c / n for c in counts[1:]], name=f"{tr.mode} (τ = {tr.stats.tau:.2f})",
+            x=list(range(1, B + 1)), y=[c / n for c in counts[1:]],
+            name=f"{tr.mode} (τ = {tr.stats.tau:.2f})" + (f"; {k} rounds undrafted by the draft gate" if (k := sum(r.skipped for r in tr.rounds)) else ""),
             marker_color=MODE_COLOURS.get(tr.mode, GREY),
             hovertemplate=tr.mode + ": %{y:.0%} of rounds gave %{x} tokens<extra></extra>",
         ))
@@ -251,12 +252,12 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
     for mode, h in pooled.items():
         n = sum(h.values())
         tau = sum((a + 1) * c for a, c in h.items()) / n
-        fig.add_trace(go.Bar(x=list(range(top + 1)), y=[h.get(a, 0) / n for a in range(top + 1)], name=f"{mode} (τ = {tau:.2f}, {n} rounds)",
+        fig.add_trace(go.Bar(x=list(range(top + 1)), y=[h.get(a, 0) / n for a in range(top + 1)], name=f"{mode} (τ = {tau:.2f} per drafted round, {n} drafted rounds)",
                              marker_color=MODE_COLOURS.get(mode, GREY),
-                             hovertemplate=mode + ": %{y:.1%} of rounds accepted %{x} drafted tokens<extra></extra>"))
+                             hovertemplate=mode + ": %{y:.1%} of drafted rounds accepted %{x} drafted tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
     fig.update_layout(title=f"Drafted tokens accepted per round · {label}", barmode="group",
-                      xaxis=dict(title="drafted tokens accepted in the round", dtick=1), yaxis=dict(title="share of rounds", tickformat=".0%"),
+                      xaxis=dict(title="drafted tokens accepted in the round", dtick=1), yaxis=dict(title="share of drafted rounds", tickformat=".0%"),
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
     return fig
 

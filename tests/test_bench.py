@@ -159,4 +159,7 @@ def test_compare_drafting_runs_both_rules_and_counts_skipped_rounds(tmp_path):
     assert set(pc) == {"verify adaptive, drafting gated", "verify adaptive, drafting always"}
     assert all(0 <= v["skipped"] <= 1 for v in pc.values())
     assert all(r["lossless"] for r in res["rows"]) and all(isinstance(r["skipped_rounds"], int) for r in res["rows"])
+    for r in res["rows"]:
+        if r["mode"] not in ("hf-generate", "hf-prompt-lookup"):  # the histogram counts drafted rounds only (and ar's steps)
+            assert sum(r["accepted_hist"].values()) == r["rounds"] - r["skipped_rounds"]
     assert {s["mode"]: s["skipped"] for s in res["summary"]}["ar"] is None

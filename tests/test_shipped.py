@@ -35,3 +35,19 @@ def test_shipped_drafter_loads_trained_and_reaches_tau_floor(smollm, kind):
         drafter = drafter.pruned([])  # every layer: the floor is the unpruned drafter's
     tau = offline_tau(drafter, calibration_set(smollm), B=8, stride=4, target=smollm.target)
     assert tau >= TAU_FLOOR[kind], tau
+
+
+def test_projection_starts_from_the_shipped_bench_rows_that_drafted_every_round():
+    """The projection models rounds that all draft: its starting τ is d3d-async's gsm8k τ with drafting always,
+    not the gated table's (which counts undrafted rounds as 1)."""
+    from d3d_core import service
+    from d3d_core.decoding.plan import plan_of
+
+    res = service.bench_result("smollm2-135m")
+    dec = res["config"]["decode"]
+    every = [r for r in res["rows"] if r["mode"] == "d3d-async" and r["dataset"] == "gsm8k" and plan_of(r) == (dec["verify"], "always")]
+    assert every
+    tau, hit, B = service.measured_point("smollm2-135m")
+    assert tau == round(sum(r["tau"] * r["rounds"] for r in every) / sum(r["rounds"] for r in every), 2) and B == dec["block_size"]
+    gated = next(s for s in res["summary"] if s["mode"] == "d3d-async" and s["dataset"] == "gsm8k")
+    assert tau > gated["tau"] and 0 < hit < 1

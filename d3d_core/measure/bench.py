@@ -55,7 +55,7 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "hit_rate": st.hit_rate,
         "overlap": st.overlap,
         "lossless": None if ref_ids is None else trace.output_ids == ref_ids,
-        "accepted_hist": _hist([r.accepted for r in trace.rounds]),
+        "accepted_hist": _hist([r.accepted for r in trace.rounds if not r.skipped]),  # drafted rounds: an undrafted one accepts nothing by construction
         "skipped_rounds": len(skipped),
         "span_ms": span_means(trace.spans, skipped),
     }
