@@ -2,7 +2,7 @@
 
 import pytest
 
-from d3d_core.measure.latency import PRESETS, CostProfile, async_profile, contention, per_token_ms, profile_from_probe, speedup, tau_from_hist, validate
+from d3d_core.measure.latency import PRESETS, CostProfile, async_profile, contention, per_token_ms, profile_from_breakdown, profile_from_probe, speedup, tau_from_hist, validate
 
 P = CostProfile(name="synthetic", source="test", assumptions="round numbers", t_step_ms=10.0,
                 t_verify_ms={1: 10.0, 8: 14.0, 16: 18.0}, t_draft_d3d_ms={8: 4.0, 16: 6.0}, t_draft_dflash_ms={8: 2.0, 16: 3.0},
@@ -154,3 +154,37 @@ def test_projection_uses_the_always_drafting_rows_of_a_gated_table():
     assert rows and all(r["tau"] == 1.6 and r["hit_rate"] == 0.3 for r in rows)
     del res["plan_compare"]
     assert all(r["tau"] == 1.1 for r in project_bench(res))  # no comparison measured: the table's own
+
+
+def _row(forward, threads, B, ms):
+    return {"forward": forward, "threads": threads, "B": B, "wall_ms": ms}
+
+
+def test_profile_from_breakdown_reads_the_cost_rows():
+    rows = [_row("step", 2, 1, 40.0), _row("verify(4)", 2, 4, 50.0), _row("verify(8)", 2, 8, 60.0),
+            _row("d3d draft(8)", 2, 8, 18.0), _row("dflash draft(8)", 2, 8, 6.0),
+            _row("d3d packed(H=1)", 2, 8, 24.0), _row("d3d packed(H=4)", 2, 8, 43.0),
+            _row("step", 1, 1, 55.0), _row("verify(8)", 1, 8, 100.0), _row("d3d draft(8)", 1, 8, 28.0),
+            _row("d3d packed(H=1)", 1, 8, 35.0)]
+    overlap = {"B": 8, "H": 1, "rows": [{"depth": 8, "verify_1t_concurrent_ms": 110.0, "packed_1t_concurrent_ms": 42.0}]}
+    p = profile_from_breakdown({"rows": rows, "overlap": overlap, "ctx_len": 300, "repeats": 5,
+                                "machine_info": {"cpu": "Some CPU"}, "quiet": {"noisy": False}})
+    assert p.name == "Some CPU 2-thread (measured)" and "quiet machine" in p.source
+    assert p.t_step_ms == 40.0 and p.t_verify_ms == {1: 40.0, 4: 50.0, 8: 60.0}
+    assert p.t_draft_d3d_ms[2] == p.t_draft_d3d_ms[16] == 18.0  # one probed width stands for every B
+    assert p.t_packed_ms == {1: 24.0, 4: 43.0}
+    assert p.extra["verify_1thread_ms"] == {1: 55.0, 8: 100.0} and p.extra["d3d_draft_1thread_ms"] == 28.0
+    assert p.extra["contention"][1] == pytest.approx({"verify": 1.1, "packed": 1.2})
+    assert profile_from_breakdown({"rows": rows[:2]}) is None  # no drafter rows: no profile
+    assert profile_from_breakdown({}) is None
+
+
+def test_cpu_preset_is_the_shipped_cost_breakdown():
+    from d3d_core.models.bundles import asset_json
+
+    costs = asset_json("bench", "smollm2-135m-costs.json")
+    measured = [p for p in PRESETS.values() if p.measured]
+    assert len(measured) == 1
+    step = next(r["wall_ms"] for r in costs["rows"] if r["forward"] == "step" and r["threads"] == 2)
+    assert measured[0].t_step_ms == pytest.approx(step)
+    assert costs["machine_info"]["cpu"] in measured[0].name

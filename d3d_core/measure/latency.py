@@ -189,21 +189,69 @@ def _gpu_profile(name, params_b, layers, hidden, vocab, bw_tbs, overhead_ms, d3d
     )
 
 
+def profile_from_breakdown(costs: dict, name: Optional[str] = None) -> Optional[CostProfile]:
+    """A profile from ``python -m d3d_core.measure.costs`` output (the shipped
+    ``assets/bench/<bundle>-costs.json``): sequential modes at the most threads it measured, d3d-async's
+    one-thread verify and draft in ``extra``, lane contention from its overlap probe (verify(B) ‖
+    packed pass at H = 1, one thread each, the 8-layer row). None when the file lacks a row it needs."""
+    rows = costs.get("rows") or []
+    if not rows:
+        return None
+    top = max(r["threads"] for r in rows)
+
+    def pick(thr, forward=None, prefix=None):
+        """{B (or H for the packed pass): wall ms} of the rows at ``thr`` threads."""
+        out = {}
+        for r in rows:
+            if r["threads"] == thr and (r["forward"] == forward if forward else r["forward"].startswith(prefix)):
+                key = int(r["forward"].split("=")[1].rstrip(")")) if "packed" in r["forward"] else int(r["B"])
+                out[key] = float(r["wall_ms"])
+        return out
+
+    step = pick(top, "step").get(1)
+    verify = {1: step, **pick(top, prefix="verify")} if step else {}
+    d3d, dfl = pick(top, prefix="d3d draft"), pick(top, prefix="dflash draft")
+    packed = pick(top, prefix="d3d packed")
+    if not (step and d3d and dfl and packed):
+        return None
+    step1 = pick(1, "step").get(1)
+    v1 = {1: step1, **pick(1, prefix="verify")} if step1 else {}
+    d1 = pick(1, prefix="d3d draft")
+    # a draft's cost is nearly flat in B (the rows are few): the probed width stands for every B
+    flat = lambda t: {b: next(iter(t.values())) for b in (2, 4, 8, 16)} if len(t) == 1 else t  # noqa: E731
+    extra = {"verify_1thread_ms": v1, "d3d_draft_1thread_ms": next(iter(d1.values()), None)}
+    ov = costs.get("overlap") or {}
+    row = next((r for r in ov.get("rows", []) if r.get("depth") == 8), None)
+    B_ov = ov.get("B", 8)
+    p1 = pick(1, prefix="d3d packed")
+    if row and v1.get(B_ov) and p1.get(ov.get("H", 1)):
+        extra["contention"] = {int(ov.get("H", 1)): {"verify": max(1.0, row["verify_1t_concurrent_ms"] / v1[B_ov]),
+                                                     "packed": max(1.0, row["packed_1t_concurrent_ms"] / p1[ov.get("H", 1)])}}
+    cpu = (costs.get("machine_info") or {}).get("cpu", "cpu")
+    quiet = costs.get("quiet") or {}
+    return CostProfile(
+        name=name or f"{cpu} {top}-thread (measured)",
+        source=f"python -m d3d_core.measure.costs on {cpu}, {costs.get('engine', 'fast')} engine"
+               + ("" if not quiet else (" (machine not quiet)" if quiet.get("noisy") else " (quiet machine)")),
+        assumptions=f"{costs.get('ctx_len')}-token context, median of {costs.get('repeats')} forwards; sequential modes "
+                    f"{top} threads, async 1 thread per lane; the draft was probed at one width and stands for every B; "
+                    "lane contention from the overlap probe (verify ‖ packed pass at H = 1) is used for every H",
+        t_step_ms=step, t_verify_ms=verify, t_draft_d3d_ms=flat(d3d), t_draft_dflash_ms=flat(dfl), t_packed_ms=packed,
+        measured=True, extra=extra,
+    )
+
+
+def _shipped_cpu_profile() -> dict:
+    """The bundled model's measured CPU profile, read from the shipped cost breakdown (so refreshing
+    that file refreshes the preset); empty when the file is absent."""
+    from ..models.bundles import asset_json
+
+    p = profile_from_breakdown(asset_json("bench", "smollm2-135m-costs.json") or {})
+    return {p.name: p} if p else {}
+
+
 PRESETS = {
-    "cpu-epyc-2core (measured)": CostProfile(
-        name="cpu-epyc-2core (measured)",
-        source="python -m d3d_core.measure.costs on this project's 2-core AMD EPYC, SmolLM2-135M fp32, fast engine "
-               "(assets/bench/smollm2-135m-costs.json, quiet machine)",
-        assumptions="300-token context, median of repeated forwards; sequential modes 2 threads, async 1 thread per lane; "
-                    "the draft was probed at B = 8 and is used for every B (a draft's cost is nearly flat in B: the rows are "
-                    "few); lane contention factors from the earlier probe (verify and packed pass run together)",
-        t_step_ms=41.1, t_verify_ms={1: 41.1, 2: 47.0, 4: 50.2, 8: 61.4, 16: 75.9},
-        t_draft_d3d_ms={2: 18.0, 4: 18.0, 8: 18.0, 16: 18.0}, t_draft_dflash_ms={2: 6.5, 4: 6.5, 8: 6.5, 16: 6.5},
-        t_packed_ms={1: 23.6, 2: 29.5, 4: 43.0, 8: 62.5}, measured=True,
-        extra={"verify_1thread_ms": {1: 55.6, 2: 67.3, 4: 78.7, 8: 101.8, 16: 123.5}, "d3d_draft_1thread_ms": 27.7,
-               "contention": {1: {"verify": 1.06, "packed": 1.19}, 2: {"verify": 1.07, "packed": 1.06},
-                              4: {"verify": 1.01, "packed": 1.11}, 8: {"verify": 1.06, "packed": 1.06}}},
-    ),
+    **_shipped_cpu_profile(),
     "qwen3-8b on H200 (derived)": _gpu_profile("qwen3-8b on H200 (derived)", 8.2, 36, 4096, 151936, 4.8, 0.8),
     # the bundled 135M target on a GPU: weights are read in ~0.06 ms, so launch overhead dominates
     "smollm2-135m on H200 (derived)": _gpu_profile("smollm2-135m on H200 (derived)", 0.135, 30, 576, 49152, 4.8, 1.5),
