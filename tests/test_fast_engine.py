@@ -156,6 +156,31 @@ def test_quiet_watch_flags_a_busy_machine(monkeypatch):
     assert q.noisy and "2.00 cores" in q.warning
 
 
+def test_a_slow_step_flags_contention_from_outside_the_machine(monkeypatch):
+    """Other processes idle, but the run's own step far slower than the quiet reference of the same
+    CPU (a neighbour on the host's cores, invisible in /proc/stat): flagged, with both numbers."""
+    import d3d_core.measure.machine as m
+
+    monkeypatch.setattr(m, "cpu_model", lambda: "Test CPU")
+    costs = {"rows": [{"forward": "step", "threads": 1, "wall_ms": 55.0}, {"forward": "step", "threads": 2, "wall_ms": 40.0}],
+             "machine_info": {"cpu": "Test CPU"}, "quiet": {"noisy": False}}
+    ref = m.step_reference(costs, 2)
+    assert ref == {"cpu": "Test CPU", "threads": 2, "step_ms": 40.0}
+    quiet = m.Quietness(0.1, 0.0, 30.0, 0.0, False, "")
+    ok = quiet.against(48.0, ref)  # 1.2x: within SLOW_STEP
+    assert not ok.noisy and ok.step_ms == 48.0 and ok.reference_step_ms == 40.0
+    slow = quiet.against(64.0, ref)
+    assert slow.noisy and "64 ms against 40 ms" in slow.warning and "1.60×" in slow.warning
+    busy = m.Quietness(0.1, 9.0, 30.0, 0.3, True, "machine was not quiet: others; timings and speedups may be off")
+    both = busy.against(64.0, ref)
+    assert both.warning.count("machine was not quiet") == 1 and "64 ms" in both.warning
+    # nothing to compare: another CPU model, a noisy reference, no AR step
+    assert quiet.against(64.0, {**ref, "cpu": "Other CPU"}) == quiet
+    assert m.step_reference({**costs, "quiet": {"noisy": True}}) is None
+    assert m.step_reference(costs, 4) is None and m.step_reference(costs)["threads"] == 2
+    assert quiet.against(None, ref) == quiet
+
+
 def test_peers_run_and_compare_with_ar(toy):
     from d3d_core.measure.datasets import Item
     from d3d_core.measure.peers import run_peer

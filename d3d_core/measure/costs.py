@@ -25,7 +25,7 @@ from ..decoding.timing import cpu_threads
 from ..models import fastops
 from ..models.bundles import BUNDLES, get_bundle, init_drafter
 from ..models.fastops import ATTENTION, LM_HEAD
-from .machine import QuietWatch, machine_info
+from .machine import QuietWatch, machine_info, step_reference
 
 
 def _prefilled(target, ctx_len: int, g: torch.Generator) -> tuple:
@@ -357,7 +357,9 @@ def main(argv=None) -> int:
     res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")), block_sizes=widths)
     if args.crossover.strip():
         res["overlap"] = overlap_crossover(bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
-    res["machine_info"], res["quiet"] = machine_info(), watch.stop().to_json()
+    top = max(r["threads"] for r in res["rows"])
+    step = next((r["wall_ms"] for r in res["rows"] if r["forward"] == "step" and r["threads"] == top), None)
+    res["machine_info"], res["quiet"] = machine_info(), watch.stop().against(step, step_reference(bundle.costs, top)).to_json()
     print(res["machine_info"]["cpu"])
     print(breakdown_text(res))
     if "overlap" in res:

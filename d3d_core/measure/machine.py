@@ -7,6 +7,12 @@ halves everything). Every bench / cost result therefore carries ``machine_info()
 took while it ran. A run is called noisy when others used more than ``NOISY_CORES`` of a core
 on average. The load average is recorded but does not decide: it trails by a minute, so a run
 started right after another benchmark (of the same chain) shows that one's load.
+
+A neighbour outside this (virtual) machine is invisible to both: it takes cycles from the host's
+cores without showing in /proc/stat (these VMs report no steal time). Measured here: a cost probe
+whose other processes used 0.007 cores read step(1) 64 ms against 41 ms quiet. So the run's own
+speed is checked too: its AR step against the quiet reference step of the same CPU model (the
+shipped cost breakdown); ``SLOW_STEP`` times slower flags it (``Quietness.against``).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import os
 import platform
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 NOISY_CORES = 0.10  # other processes' mean CPU use (cores) above which a timing is flagged
+SLOW_STEP = 1.25  # a step this many times slower than the quiet reference of the same CPU flags the run
 
 
 def machine_info() -> dict:
@@ -73,9 +81,38 @@ class Quietness:
     other_cores: float  # other_cpu_s / wall_s: mean number of cores others kept busy
     noisy: bool
     warning: str
+    step_ms: Optional[float] = None  # this run's AR step (mean), when it has one
+    reference_step_ms: Optional[float] = None  # the quiet step of the same CPU it was compared with
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def against(self, step_ms: Optional[float], reference: Optional[dict]) -> "Quietness":
+        """This record, also judged by the run's own step against ``reference`` (``step_reference``)
+        when both exist and the CPU model matches; a step ``SLOW_STEP``× slower marks it noisy."""
+        if not step_ms or not reference or reference.get("cpu") != cpu_model():
+            return self
+        ref = float(reference["step_ms"])
+        out = replace(self, step_ms=round(step_ms, 2), reference_step_ms=round(ref, 2))
+        if step_ms <= SLOW_STEP * ref:
+            return out
+        why = (f"one step took {step_ms:.0f} ms against {ref:.0f} ms on a quiet {reference['cpu']} "
+               f"({step_ms / ref:.2f}×): something outside this machine was probably sharing its cores")
+        msg = ("machine was not quiet: " + why + "; timings and speedups may be off") if not self.noisy else \
+            self.warning.replace("; timings", f"; {why}; timings")
+        return replace(out, noisy=True, warning=msg)
+
+
+def step_reference(costs: dict, threads: Optional[int] = None) -> Optional[dict]:
+    """{"cpu", "threads", "step_ms"} of a quiet cost breakdown (``python -m d3d_core.measure.costs``)
+    at ``threads`` (default: its most), or None (no such row, or it was not quiet itself)."""
+    rows = [r for r in (costs or {}).get("rows", []) if r.get("forward") == "step"]
+    if not rows or (costs.get("quiet") or {}).get("noisy", True):
+        return None
+    thr = threads or max(r["threads"] for r in rows)
+    row = next((r for r in rows if r["threads"] == thr), None)
+    cpu = (costs.get("machine_info") or {}).get("cpu")
+    return {"cpu": cpu, "threads": thr, "step_ms": float(row["wall_ms"])} if row and cpu else None
 
 
 class QuietWatch:
