@@ -73,3 +73,39 @@ def test_shortlisted_drafters_stay_lossless(toy):
             for mode in modes:
                 tr = decode(toy, prompt, DecodeConfig(mode=mode, max_new_tokens=30), drafter=d)
                 assert tr.output_ids == ref.output_ids, (kind, mode)
+
+
+def test_anchor_first_draft_reads_the_anchor_slot_and_stays_lossless(toy):
+    """first_draft='anchor': draft 1 is the anchor slot's argmax, drafts 2.. their MASK slots'; greedy output
+    is still exactly ar's in both D3D modes."""
+    import torch
+
+    from d3d_core.decoding.engine import d3d_draft
+    from d3d_core.models.drafters import DrafterConfig
+
+    base = toy.drafter("d3d").with_first_draft("mask")
+    d = base.with_first_draft("anchor")
+    assert d.cfg.first_draft == "anchor" and base.cfg.first_draft == "mask"
+    ids = toy.tokenizer.encode_prompt(PROMPTS[0])
+    cfg = DecodeConfig(mode="d3d-seq", block_size=6)
+    with torch.inference_mode():
+        _, hb, _ = d.forward_packed(d.new_cache(), torch.tensor(ids[:-1]), [(ids[-1], len(ids) - 1)], 7)
+        logits = d.logits(hb[0]).argmax(-1).tolist()  # slot j's own prediction
+        got = d3d_draft(d, d.new_cache(), ids[:-1], ids[-1], cfg, None).ids
+        old = d3d_draft(base, base.new_cache(), ids[:-1], ids[-1], cfg, None).ids
+    assert got == [logits[0]] + logits[2:6] and old == logits[1:6]
+    for B in (2, 8):
+        ref = decode(toy, PROMPTS[1], DecodeConfig(mode="ar", max_new_tokens=30))
+        for mode in ("d3d-seq", "d3d-async"):
+            tr = decode(toy, PROMPTS[1], DecodeConfig(mode=mode, max_new_tokens=30, block_size=B), drafter=d)
+            assert tr.output_ids == ref.output_ids, (mode, B)
+    with pytest.raises(ValueError, match="first_draft"):
+        d.with_first_draft("context")
+    with pytest.raises(ValueError, match="D3D"):
+        toy.drafter("dflash").with_first_draft("anchor")
+    with pytest.raises(ValueError, match="first_draft"):
+        DrafterConfig.from_json({**d.cfg.to_json(), "first_draft": "nope"})
+
+
+def test_shipped_d3d_drafter_reads_draft_one_from_the_anchor_slot(smollm):
+    assert smollm.drafter("d3d").cfg.first_draft == "anchor" and smollm.drafter("dflash").cfg.first_draft == "mask"

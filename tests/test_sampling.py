@@ -89,3 +89,9 @@ def test_shortlisted_drafter_still_samples_the_target_distribution(toy, rule):
     V = toy.target.arch.vocab_size
     d = toy.drafter("d3d").shortlisted(range(0, V, 2))
     _assert_second_token_matches_target(toy, "d3d-seq", rule, drafter=d)
+
+
+@pytest.mark.parametrize("mode", ["d3d-seq", "d3d-async"])
+def test_anchor_first_draft_still_samples_the_target_distribution(toy, mode):
+    """Draft 1 read from the anchor slot (first_draft='anchor') keeps rejection sampling exact."""
+    _assert_second_token_matches_target(toy, mode, "rejection", drafter=toy.drafter("d3d").with_first_draft("anchor"))

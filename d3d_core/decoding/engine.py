@@ -79,7 +79,7 @@ class PackedResult:
 def _drafts_from_hidden(drafter, h_blocks: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator) -> list:
     """h_blocks: (nb, L, H) -> one Draft per block (positions 1..L-1), computed over the shortlist's
     K columns when the drafter has one (softmax, argmax and sampling over K, not the whole V)."""
-    logits, vocab = drafter.draft_logits(h_blocks[:, 1:])  # (nb, L-1, K)
+    logits, vocab = drafter.draft_logits(drafter.draft_rows(h_blocks))  # (nb, L-1, K)
     logits = logits.float()
     vocab = vocab.cpu() if vocab is not None else None
     out = []

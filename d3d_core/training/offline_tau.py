@@ -47,7 +47,7 @@ def d3d_block_logits(drafter: D3DDrafter, ids: list, anchors: list, B: int) -> t
     cache = drafter.new_cache()
     blocks = [(ids[p], p) for p in anchors]  # anchor token, context visible up to p-1 => n_visible = p
     _, hb, _ = drafter.forward_packed(cache, ctx, blocks, B + 1)
-    return drafter.logits(hb[:, 1:B]).float()
+    return drafter.logits(drafter.draft_rows(hb)[:, : B - 1]).float()
 
 
 def target_features(drafter: DFlashDrafter, target, ids: list) -> torch.Tensor:
