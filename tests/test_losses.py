@@ -137,3 +137,20 @@ def test_the_new_recipe_trains_and_resumes_exactly(toy, examples, tmp_path, monk
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert full["offline_tau"] == res["offline_tau"]
     assert any((tmp_path / "cache" / "softlabels" / "toy" / "k4").glob("*.safetensors"))
+
+
+def test_anchor_rule_trains_the_anchor_slot_for_position_one(toy, drafter, examples):
+    """With first_draft='anchor' the block loss supervises position 1 at the anchor slot (what decoding
+    reads), positions 2.. at their MASK slots; with 'mask' it is the MASK slots throughout."""
+    cfg = replace(PRESETS["toy"], block_size=4)
+    head = HeadLoss(drafter.cfg.arch.vocab_size)
+    seq = to_seq(examples[1], 96)
+    anchors = sample_anchors(seq, 5, random.Random(2))
+    ids = seq.ids
+    with torch.no_grad():
+        _, raw, _ = drafter.forward_packed(drafter.new_cache(), torch.tensor(ids), [(ids[p], p) for p in anchors], 5)
+        _, hm, ce_m, _, _ = d3d_block_terms(drafter, seq, anchors, cfg, head)
+        _, ha, ce_a, _, _ = d3d_block_terms(drafter.with_first_draft("anchor"), seq, anchors, cfg, head)
+    assert torch.allclose(hm, raw[:, 1:], atol=1e-6)
+    assert torch.allclose(ha[:, 0], raw[:, 0], atol=1e-6) and torch.allclose(ha[:, 1:], raw[:, 2:], atol=1e-6)
+    assert not torch.allclose(ce_a, ce_m)

@@ -71,7 +71,7 @@ def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list,
     # every layer's context K/V comes from the same fused features (what extend_context caches)
     past = lambda i: drafter.layers[i].self_attn.project_kv(f, cos_c, sin_c)  # noqa: E731
     h = drafter.forward_anchored(past, T, [(ids[p], p) for p in anchors], B)
-    return drafter.logits(h[:, 1:]).float()
+    return drafter.logits(drafter.draft_rows(h)).float()
 
 
 def offline_tau(drafter, seqs: list, B: int = 8, stride: int = 4, target=None, per_seq: bool = False):

@@ -139,7 +139,7 @@ def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: Trai
     B = cfg.block_size
     ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
     h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
-    hb = hb[:, 1:]  # (nb, B, H): predicts p+1 .. p+B
+    hb = drafter.draft_rows(hb)  # (nb, B, H): predicts p+1 .. p+B (draft 1 from the slot the drafter's rule names)
     tgt = block_targets(ids, anchors, B)  # (nb, B)
     w = block_position_weights(tgt, cfg.gamma).reshape(-1)
     soft = None
@@ -172,7 +172,7 @@ def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig
         blocks = [(ids[p], p) for p in anchors]
         logits = drafter.logits(hb).float()
         with torch.no_grad():
-            t_logits = teacher.logits(teacher.forward_packed(teacher.new_cache(), ctx, blocks, B + 1)[1][:, 1:]).float()
+            t_logits = teacher.logits(teacher.draft_rows(teacher.forward_packed(teacher.new_cache(), ctx, blocks, B + 1)[1])).float()
         block = (1 - cfg.kd_alpha) * block + cfg.kd_alpha * weighted_block_kl(logits, t_logits, ids, anchors, cfg.gamma)
     ar = torch.zeros(())
     if cfg.ar_lambda > 0:
