@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from ..decoding.plan import plan_label, plan_of
+from ..models.bundles import asset_json
 from .tables import table_text
 
 
@@ -244,8 +245,6 @@ def profile_from_breakdown(costs: dict, name: Optional[str] = None) -> Optional[
 def _shipped_cpu_profile() -> dict:
     """The bundled model's measured CPU profile, read from the shipped cost breakdown (so refreshing
     that file refreshes the preset); empty when the file is absent."""
-    from ..models.bundles import asset_json
-
     p = profile_from_breakdown(asset_json("bench", "smollm2-135m-costs.json") or {})
     return {p.name: p} if p else {}
 
