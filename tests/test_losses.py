@@ -154,3 +154,21 @@ def test_anchor_rule_trains_the_anchor_slot_for_position_one(toy, drafter, examp
     assert torch.allclose(hm, raw[:, 1:], atol=1e-6)
     assert torch.allclose(ha[:, 0], raw[:, 0], atol=1e-6) and torch.allclose(ha[:, 1:], raw[:, 2:], atol=1e-6)
     assert not torch.allclose(ce_a, ce_m)
+
+
+def test_block_kl_with_a_shortlisted_teacher_is_finite_and_exact():
+    """A shortlisted teacher's -inf logits (probability 0) add nothing to KL(teacher ‖ drafter); before
+    this was guarded, 0 · ∞ made the healing loss NaN for the shipped (shortlisted) drafter."""
+    from d3d_core.training.train import weighted_block_kl
+
+    torch.manual_seed(0)
+    student = torch.randn(2, 3, 10)
+    teacher = torch.randn(2, 3, 10)
+    teacher[..., 5:] = float("-inf")  # a shortlist of 5 tokens
+    ids, anchors = list(range(20)), [2, 6]
+    kl = weighted_block_kl(student, teacher, ids, anchors, gamma=4.0)
+    assert torch.isfinite(kl)
+    p = F.softmax(teacher[..., :5], -1)
+    per = (p * (F.log_softmax(teacher[..., :5], -1) - F.log_softmax(student, -1)[..., :5])).sum(-1)
+    w = torch.exp(-torch.arange(3).float() / 4.0).expand(2, 3)
+    assert torch.allclose(kl, (per * w).sum() / w.sum(), atol=1e-5)

@@ -124,9 +124,12 @@ def weighted_block_ce(logits: torch.Tensor, ids: list, anchors: list, gamma: flo
 def weighted_block_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, ids: list, anchors: list, gamma: float) -> torch.Tensor:
     """KL(teacher ‖ drafter) per block position, weighted like the CE (w_k, past-the-end ignored).
     Soft labels from the unpruned drafter carry what it learned about the target beyond the one
-    greedy token — the usual way to heal a pruned network on little data."""
+    greedy token — the usual way to heal a pruned network on little data. A teacher with a vocabulary
+    shortlist gives -inf outside it: those tokens have probability 0 and add 0 (not 0 · ∞ = NaN)."""
     w = block_position_weights(block_targets(ids, anchors, logits.shape[1]), gamma)  # (nb, n)
-    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1), log_target=True, reduction="none").sum(-1)
+    lt = F.log_softmax(teacher_logits, -1)
+    pt = lt.exp()
+    kl = torch.where(pt > 0, pt * (lt - F.log_softmax(logits, -1)), torch.zeros((), dtype=pt.dtype)).sum(-1)
     return weighted_mean(kl, w)
 
 
