@@ -178,6 +178,8 @@ def test_a_slow_step_flags_contention_from_outside_the_machine(monkeypatch):
     assert quiet.against(64.0, {**ref, "cpu": "Other CPU"}) == quiet
     assert m.step_reference({**costs, "quiet": {"noisy": True}}) is None
     assert m.step_reference(costs, 4) is None and m.step_reference(costs)["threads"] == 2
+    assert m.step_reference({**costs, "engine": "fast"}, 2, "eager") is None  # an eager run is not judged by a fast step
+    assert m.step_reference({**costs, "engine": "fast"}, 2, "fast")["step_ms"] == 40.0
     assert quiet.against(None, ref) == quiet
 
 

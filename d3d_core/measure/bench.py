@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and plan_of(r) == plans[0])]
     summary = summarize(main_rows, datasets, modes + peers)
     machine = machine_info()  # the AR steps ran on torch_threads: compare them with the quiet step at that count
-    quiet = watch.stop().against(ar_step_ms(main_rows), step_reference(bundle.costs, machine["torch_threads"]))
+    quiet = watch.stop().against(ar_step_ms(main_rows), step_reference(bundle.costs, machine["torch_threads"], bundle.target.engine))
     result = {
         "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine,

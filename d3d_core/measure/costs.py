@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         res["overlap"] = overlap_crossover(bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
     top = max(r["threads"] for r in res["rows"])
     step = next((r["wall_ms"] for r in res["rows"] if r["forward"] == "step" and r["threads"] == top), None)
-    res["machine_info"], res["quiet"] = machine_info(), watch.stop().against(step, step_reference(bundle.costs, top)).to_json()
+    res["machine_info"], res["quiet"] = machine_info(), watch.stop().against(step, step_reference(bundle.costs, top, res.get("engine"))).to_json()
     print(res["machine_info"]["cpu"])
     print(breakdown_text(res))
     if "overlap" in res:

@@ -103,11 +103,14 @@ class Quietness:
         return replace(out, noisy=True, warning=msg)
 
 
-def step_reference(costs: dict, threads: Optional[int] = None) -> Optional[dict]:
+def step_reference(costs: dict, threads: Optional[int] = None, engine: Optional[str] = None) -> Optional[dict]:
     """{"cpu", "threads", "step_ms"} of a quiet cost breakdown (``python -m d3d_core.measure.costs``)
-    at ``threads`` (default: its most), or None (no such row, or it was not quiet itself)."""
+    at ``threads`` (default: its most), or None (no such row, it was not quiet itself, or it timed another
+    ``engine`` than the run being judged: an eager step is slower by design, not by contention)."""
     rows = [r for r in (costs or {}).get("rows", []) if r.get("forward") == "step"]
     if not rows or (costs.get("quiet") or {}).get("noisy", True):
+        return None
+    if engine is not None and costs.get("engine") != engine:
         return None
     thr = threads or max(r["threads"] for r in rows)
     row = next((r for r in rows if r["threads"] == thr), None)
