@@ -32,7 +32,7 @@ from ..models.drafters import load_drafter
 from ..schemas import checked
 from .costs import costs_text, probe_costs
 from .datasets import load_benchmark, parse_datasets
-from .latency import validate, validate_in_run
+from .latency import mean_span, validate, validate_in_run
 from .machine import QuietWatch, machine_info, step_reference
 from .peers import PEERS, run_peer
 from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
@@ -59,14 +59,6 @@ def row_of(item, trace, ref_ids: Optional[list]) -> dict:
         "skipped_rounds": len(skipped),
         "span_ms": span_means(trace.spans, skipped),
     }
-
-
-def ar_step_ms(rows: list) -> Optional[float]:
-    """Mean wall ms of one ``ar`` step over the rows (their verify spans), or None."""
-    n = sum(r["span_ms"]["verify"]["n"] for r in rows if r["mode"] == "ar" and "verify" in r.get("span_ms", {}))
-    t = sum(r["span_ms"]["verify"]["mean"] * r["span_ms"]["verify"]["n"] for r in rows
-            if r["mode"] == "ar" and "verify" in r.get("span_ms", {}))
-    return t / n if n else None
 
 
 def span_means(spans, skipped: frozenset = frozenset()) -> dict:
@@ -337,7 +329,8 @@ def main(argv=None) -> int:
     main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and plan_of(r) == plans[0])]
     summary = summarize(main_rows, datasets, modes + peers)
     machine = machine_info()  # the AR steps ran on torch_threads: compare them with the quiet step at that count
-    quiet = watch.stop().against(ar_step_ms(main_rows), step_reference(bundle.costs, machine["torch_threads"], bundle.target.engine))
+    quiet = watch.stop().against(mean_span([r for r in main_rows if r["mode"] == "ar"], "verify"),  # ar's steps
+                                  step_reference(bundle.costs, machine["torch_threads"], bundle.target.engine))
     result = {
         "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine,

@@ -280,6 +280,13 @@ def validate(result: dict, profile: Optional[CostProfile] = None) -> list:
     return out
 
 
+def mean_span(rows: list, kind: str) -> Optional[float]:
+    """Mean ms of one ``kind`` span over bench rows (``span_ms``), weighted by each row's count; None if none."""
+    t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rows if kind in r.get("span_ms", {}))
+    n = sum(r["span_ms"][kind]["n"] for r in rows if kind in r.get("span_ms", {}))
+    return t / n if n else None
+
+
 def validate_in_run(result: dict) -> list:
     """The model's structure checked apart from cost-probe drift: the same formulas, fed with
     the mean span durations this very run paid (bench rows' ``span_ms``) instead of a separate
@@ -288,11 +295,6 @@ def validate_in_run(result: dict) -> list:
     dec = result["config"]["decode"]
     rows = [r for r in result["rows"] if r.get("span_ms") and r.get("block_size", dec["block_size"]) == dec["block_size"]
             and (r["mode"] == "ar" or plan_of(r, dec.get("verify")) == plan_of(dec))]  # the table's plan only
-
-    def mean_span(rs, kind):
-        t = sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])
-        n = sum(r["span_ms"][kind]["n"] for r in rs if kind in r["span_ms"])
-        return t / n if n else None
 
     out = []
     for s in result["summary"]:
