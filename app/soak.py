@@ -48,7 +48,7 @@ class SoakConfig:
     max_new_tokens: int = 16
     max_prompt_words: int = 120  # prompts of 3..this many words
     stop_share: float = 0.1  # races stopped mid-run
-    warmup_races: int = 50  # memory is compared from here on
+    warmup_races: int = 100  # memory is compared from here on (per-shape kernel caches fill for ~90 races)
     overload: int = 0  # visitors arriving at once in the overload phase (0: skip it)
     temp_max_age_s: int = 60  # the server's temp-file age (D3D_TEMP_MAX_AGE_S), short so a soak sees the cleanup work
     seed: int = 0
