@@ -240,3 +240,40 @@ def test_row_buckets_are_few_cover_every_size_and_keep_results():
         for m in (1, 17, 33, 47, 130, 700):
             x = torch.randn(m, 64)
             assert torch.allclose(fastops.linear(lin, x), lin(x), atol=1e-4), m
+
+
+def _d3d_block_logits(d):
+    with torch.inference_mode():
+        _, h, _ = d.forward_packed(d.new_cache(), torch.tensor([3, 5, 7, 11, 2, 9]), [(4, 6)], 9)
+        return d.draft_logits(h)[0]
+
+
+def test_drafter_int8_runs_marked_modules_only_and_exact_drafters_restores_fp32(toy, monkeypatch):
+    """The D3D drafter's MLPs and shortlist head run in int8 where the platform allows it; exact_drafters()
+    (what offline τ, pruning and training use) and set_int8(False) give the fp32 path back exactly."""
+    if fastops.int8_status()["drafter_int8"] != "on":
+        pytest.skip(fastops.int8_status()["reason"])
+    d = toy.drafter("d3d")
+    marked = [n for n, m in d.named_modules() if getattr(m, "_d3d_int8", False)]
+    assert "" in marked and all(n == "" or ".mlp" in n for n in marked) and not any("attn" in n for n in marked), marked
+    assert not getattr(toy.drafter("dflash").layers[0].mlp, "_d3d_int8", False)
+    q = _d3d_block_logits(d)
+    with fastops.exact_drafters():
+        exact = _d3d_block_logits(d)
+    monkeypatch.setitem(fastops._state, "int8", False)
+    off = _d3d_block_logits(d)
+    assert torch.equal(exact, off)
+    assert not torch.equal(q, exact)  # int8 did run
+    assert (q - exact).abs().max() < 0.1 * exact.abs().max()  # and stayed close
+
+
+def test_offline_tau_measures_stored_weights_unless_asked_for_int8(toy, monkeypatch):
+    from d3d_core.training.offline_tau import calibration_set, offline_tau
+
+    if fastops.int8_status()["drafter_int8"] != "on":
+        pytest.skip(fastops.int8_status()["reason"])
+    seqs = calibration_set(toy, max_new_tokens=24)[:3]
+    d = toy.drafter("d3d")
+    exact = offline_tau(d, seqs, B=4, stride=2)
+    monkeypatch.setitem(fastops._state, "int8", False)
+    assert offline_tau(d, seqs, B=4, stride=2) == exact == offline_tau(d, seqs, B=4, stride=2, int8=True)

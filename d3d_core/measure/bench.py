@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--engine", choices=["fast", "eager"], default="fast",
                    help="fast: prepacked CPU forwards for target and drafters (every mode); eager: the Hugging Face forward")
+    p.add_argument("--drafter-int8", choices=["on", "off"], default="on" if fastops.int8_status()["drafter_int8"] == "on" else "off",
+                   help="on: the D3D drafter's MLPs and shortlist head run in int8 where the fast engine can (default here; "
+                        "D3D_DRAFTER_INT8=off changes it); off: fp32")
     p.add_argument("--peers", default=",".join(PEERS),
                    help="comma list of peers run beside the modes at temperature 0 (" + ", ".join(PEERS) + "), or 'none'")
     p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H) and check the latency model")
@@ -291,6 +294,7 @@ def main(argv=None) -> int:
         if args.temperature > 0:
             peers = []  # peers are greedy baselines
         fastops.set_enabled(args.engine == "fast")
+        fastops.set_int8(args.drafter_int8 == "on")
         datasets = parse_datasets(args.datasets)
         base = DecodeConfig(
             mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -334,7 +338,7 @@ def main(argv=None) -> int:
     result = {
         "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine,
-        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status()},
+        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(), "drafter_int8": fastops.int8_status()},
         "quiet": quiet.to_json(),
         "wall_time_s": time.time() - t0,
         "rows": rows,

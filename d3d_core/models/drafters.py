@@ -484,6 +484,9 @@ class D3DDrafter(_DrafterBase):
     def __init__(self, cfg: DrafterConfig, shared: SharedParts):
         super().__init__(cfg, shared)
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.arch.hidden_size))
+        # decoding runs the MLPs and the shortlist head (owner: self) in int8 where it can (fastops): a draft
+        # only proposes, so outputs cannot change; the attention projections stay fp32
+        fastops.mark_int8(self, *(layer.mlp for layer in self.layers), *(layer.mlp.down_proj for layer in self.layers))
 
     def build_inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int):
         """Embeddings, positions and the 4-D additive mask for one packed forward.

@@ -12,12 +12,22 @@ The path is taken only where it can run: CPU, float32, oneDNN present, no autogr
 self-test call that succeeded once. Elsewhere (CUDA, bf16, training, another platform) every call
 falls back to ``F.linear``; :func:`status` says which path is active and why.
 ``D3D_ENGINE=eager`` (or :func:`set_enabled(False)`) switches the fast path off process-wide.
+
+Drafter MLPs and the drafter's shortlist head may run in **int8** (:func:`mark_int8`): weights quantized per
+output channel once, activations per tensor at each call (PyTorch's dynamic quantized linear, fbgemm / x86).
+A drafter only proposes tokens and the target verifies every one, so this cannot change any output: it
+moves τ a little and the draft's cost a lot (D3D on the AMD EPYC: draft 19 -> 14 ms, offline τ -1.8 %;
+docs/RESULTS.md). The attention projections stay fp32 (in int8 they cost a third of τ). ``D3D_DRAFTER_INT8=off``
+(or :func:`set_int8(False)`) keeps every drafter fp32; :func:`exact_drafters` does so for one thread, which
+offline τ, pruning and training use, so that their figures describe the stored weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -28,7 +38,9 @@ import torch.nn.functional as F
 LM_HEAD, ATTENTION = "d3d::lm_head", "d3d::attention"
 _PACK_BATCH_HINT = 16  # the reorder's expected row count; measured best for 1..17 rows here
 _lock = threading.Lock()
-_state = {"enabled": os.environ.get("D3D_ENGINE", "fast").lower() != "eager", "ok": None, "why": ""}
+_state = {"enabled": os.environ.get("D3D_ENGINE", "fast").lower() != "eager", "ok": None, "why": "",
+          "int8": os.environ.get("D3D_DRAFTER_INT8", "on").lower() not in ("off", "0", "false", "no"), "int8_ok": None, "int8_why": ""}
+_local = threading.local()  # .exact: this thread keeps marked drafter modules in fp32 (exact_drafters)
 
 
 def _self_test() -> tuple:
@@ -66,6 +78,69 @@ def enabled() -> bool:
     return status()["engine"] == "fast"
 
 
+def _quantize_rows(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 -> per-output-channel symmetric qint8 (the deprecation warning of the quantized-tensor API
+    is silenced: torch is pinned, and a platform without it fails the self-test and stays fp32)."""
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-8).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_channel(w.contiguous().float(), scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+
+
+def _int8_self_test() -> tuple:
+    """(usable, reason): does the dynamic int8 linear run here and stay close to F.linear?"""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(48, 32, generator=g), torch.randn(3, 32, generator=g)
+        with torch.inference_mode():
+            y = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(_quantize_rows(w), None))
+        ref = F.linear(x, w)
+        if (y - ref).abs().max() > 0.05 * ref.abs().max():
+            return False, "dynamic int8 linear disagrees with F.linear"
+        return True, f"dynamic int8 linear ({torch.backends.quantized.engine}), per-channel weights"
+    except Exception as e:
+        return False, f"dynamic int8 linear unavailable ({type(e).__name__}: {str(e)[:120]})"
+
+
+def int8_status() -> dict:
+    """{'drafter_int8': 'on' | 'off', 'reason': ...}: whether marked drafter modules run in int8."""
+    if not _state["int8"]:
+        return {"drafter_int8": "off", "reason": "switched off (D3D_DRAFTER_INT8=off or set_int8(False))"}
+    if not enabled():
+        return {"drafter_int8": "off", "reason": "the fast engine is off"}
+    if _state["int8_ok"] is None:
+        with _lock:
+            if _state["int8_ok"] is None:
+                _state["int8_ok"], _state["int8_why"] = _int8_self_test()
+    return {"drafter_int8": "on" if _state["int8_ok"] else "off", "reason": _state["int8_why"]}
+
+
+def set_int8(on: bool) -> None:
+    _state["int8"] = bool(on)
+
+
+def mark_int8(*modules: nn.Module) -> None:
+    """Let these modules' fast-path linears run in int8 (drafter MLPs, the drafter's shortlist head)."""
+    for m in modules:
+        m._d3d_int8 = True
+
+
+@contextlib.contextmanager
+def exact_drafters():
+    """Within the block, this thread runs marked drafter modules in fp32 (offline τ, pruning, training)."""
+    before = getattr(_local, "exact", False)
+    _local.exact = True
+    try:
+        yield
+    finally:
+        _local.exact = before
+
+
+def _int8(owner: nn.Module) -> bool:
+    return (getattr(owner, "_d3d_int8", False) and _state["int8"] and not getattr(_local, "exact", False)
+            and int8_status()["drafter_int8"] == "on")
+
+
 def _usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (
         _state["enabled"] and x.device.type == "cpu" and w.device.type == "cpu"
@@ -83,10 +158,13 @@ def _sig(t: Optional[torch.Tensor]):
     return (t.data_ptr(), 0 if t.is_inference() else t._version)
 
 
-def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], prep=None):
+def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], prep=None,
+            int8: bool = False):
     """The prepacked weight (and bias) of ``weights`` concatenated along rows, cached on ``owner``
     and rebuilt when any weight changes (in-place updates bump ``_version``; a new tensor has a
-    new data pointer). ``prep(w, b)`` may reorder the concatenated rows first (done once)."""
+    new data pointer). ``prep(w, b)`` may reorder the concatenated rows first (done once).
+    ``int8``: the fbgemm-packed qint8 weight with its bias instead (returned as (packed, None))."""
+    key = key + "#int8" if int8 else key
     sig = tuple(_sig(w) for w in weights) + tuple(_sig(b) for b in biases)
     cache = owner.__dict__.setdefault("_d3d_packed", {})
     hit = cache.get(key)
@@ -100,7 +178,10 @@ def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases:
             b = None
         if prep is not None:
             w, b = prep(w, b)
-        wp = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_BATCH_HINT)
+        if int8:
+            wp, b = torch.ops.quantized.linear_prepack(_quantize_rows(w), None if b is None else b.float().contiguous()), None
+        else:
+            wp = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_BATCH_HINT)
     cache[key] = (sig, wp, b)
     return wp, b
 
@@ -121,9 +202,15 @@ def row_bucket(m: int) -> int:
 
 def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None) -> torch.Tensor:
     """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
-    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``."""
-    wp, b = _packed(owner, key, weights, biases, prep)
+    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``.
+    Owners marked with :func:`mark_int8` run the dynamic int8 linear instead (no per-shape primitives
+    to bound, so no padding)."""
     lead = x.shape[:-1]
+    if _int8(owner):
+        qp, _ = _packed(owner, key, weights, biases, prep, int8=True)
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).contiguous(), qp)
+        return y.reshape(*lead, y.shape[-1])
+    wp, b = _packed(owner, key, weights, biases, prep)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     mb = row_bucket(m)

@@ -18,6 +18,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
 from ..measure.datasets import BENCHMARKS, data_dir, load_benchmark
+from ..models import fastops
 from ..models.bundles import ASSETS, cache_dir, get_bundle
 from ..models.drafters import D3DDrafter, DFlashDrafter, DrafterConfig, build_drafter, load_drafter
 from .distill import generate_batch
@@ -74,10 +75,18 @@ def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list,
     return drafter.logits(drafter.draft_rows(h)).float()
 
 
-def offline_tau(drafter, seqs: list, B: int = 8, stride: int = 4, target=None, per_seq: bool = False):
+def offline_tau(drafter, seqs: list, B: int = 8, stride: int = 4, target=None, per_seq: bool = False, int8: bool = False):
     """Mean over anchors of (leading matches + 1). ``target`` is needed for DFlash drafters.
     ``per_seq``: also return [(Σ τ, n anchors)] per usable sequence — the anchors depend only on
-    the sequence, so two drafters' lists pair up (see ``paired_ratio_ci``)."""
+    the sequence, so two drafters' lists pair up (see ``paired_ratio_ci``). The drafter runs as stored
+    (fp32) unless ``int8``: then its int8-marked modules run in int8, as decoding runs them (fastops)."""
+    if int8:
+        return _offline_tau(drafter, seqs, B, stride, target, per_seq)
+    with fastops.exact_drafters():
+        return _offline_tau(drafter, seqs, B, stride, target, per_seq)
+
+
+def _offline_tau(drafter, seqs: list, B: int, stride: int, target, per_seq: bool):
     taus = []
     per = []
     for s in seqs:
@@ -229,6 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--int8", action="store_true", help="run the D3D drafters' MLPs and head in int8, as decoding does")
     args = ap.parse_args(argv)
 
     bundle = get_bundle(args.bundle)
@@ -241,7 +251,7 @@ def main(argv=None) -> int:
         except (OSError, ValueError, KeyError) as e:
             print(f"{path}: cannot load ({e})", file=sys.stderr)
             continue
-        t, per = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target, per_seq=True)
+        t, per = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target, per_seq=True, int8=args.int8)
         vs = ""
         if first is None:
             first = (t, per)
