@@ -277,3 +277,14 @@ def test_offline_tau_measures_stored_weights_unless_asked_for_int8(toy, monkeypa
     exact = offline_tau(d, seqs, B=4, stride=2)
     monkeypatch.setitem(fastops._state, "int8", False)
     assert offline_tau(d, seqs, B=4, stride=2) == exact == offline_tau(d, seqs, B=4, stride=2, int8=True)
+
+
+def test_training_keeps_drafters_exact(toy):
+    """train() (a frozen teacher drafter runs there under no_grad) keeps marked modules in fp32."""
+    from d3d_core.training.train import train
+
+    if fastops.int8_status()["drafter_int8"] != "on":
+        pytest.skip(fastops.int8_status()["reason"])
+    d = toy.drafter("d3d")
+    assert fastops._int8(d) and not fastops.exact(lambda: fastops._int8(d))()
+    assert train.__wrapped__ is not None  # train is wrapped by fastops.exact

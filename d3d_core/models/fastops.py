@@ -25,6 +25,7 @@ offline τ, pruning and training use, so that their figures describe the stored 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -134,6 +135,17 @@ def exact_drafters():
         yield
     finally:
         _local.exact = before
+
+
+def exact(fn):
+    """Decorator: ``fn`` runs under :func:`exact_drafters` (training: a frozen teacher drafter stays fp32)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with exact_drafters():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _int8(owner: nn.Module) -> bool:

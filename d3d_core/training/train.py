@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..models import fastops
 from ..models.bundles import BUNDLES, get_bundle, init_drafter
 from ..models.drafters import D3DDrafter, DFlashDrafter, build_drafter
 from .distill import distill_dir, read_examples
@@ -269,6 +270,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+@fastops.exact  # a frozen teacher drafter runs under no_grad: keep it fp32, like the stored weights
 def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None,
           init=None, init_note: str = "", teacher=None, stop_after: int | None = None) -> dict:
     """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
