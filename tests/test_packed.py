@@ -4,8 +4,10 @@ import torch
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import d3d_draft, d3d_packed, d3d_prefill, decode, make_hypotheses
+from d3d_core.models import fastops
 
 
+@fastops.exact  # int8 activation scales are per GEMM, so in int8 hypotheses share one; the mask logic is what is tested
 def test_packed_pass_equals_each_hypothesis_alone(toy):
     drafter = toy.drafter("d3d")
     B, H = 8, 6

@@ -156,6 +156,7 @@ def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: Trai
     return h_ctx, hb, ws, w.sum(), soft_sum
 
 
+@fastops.exact  # the teacher runs under no_grad: keep it fp32 like the student
 def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random, teacher=None,
              head: HeadLoss | None = None, topk=None):
     """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context.
