@@ -158,7 +158,7 @@ def costs_text(c: dict) -> str:
 # GEMMs, attention, the LM head and everything else (a torch profile of the same forward), and
 # the bound this machine puts on it (bytes read / measured bandwidth, FLOPs / measured GEMM rate).
 
-GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
+GEMM_OPS = ("mkldnn::_linear_pointwise", "quantized::linear_dynamic", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")  # int8: drafters
 PARTS = ("layer_gemm", "attention", "lm_head", "other")
 
 
