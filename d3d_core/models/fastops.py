@@ -60,15 +60,21 @@ def _self_test() -> tuple:
         return False, f"oneDNN prepacked linear unavailable ({type(e).__name__}: {str(e)[:120]})"
 
 
+def _passed(ok: str, why: str, test) -> bool:
+    """Whether a platform self-test passed: ``test()`` runs once per process (thread-safe) and its
+    (usable, reason) is kept in ``_state[ok]``, ``_state[why]``."""
+    if _state[ok] is None:
+        with _lock:
+            if _state[ok] is None:
+                _state[ok], _state[why] = test()
+    return _state[ok]
+
+
 def status() -> dict:
     """{'engine': 'fast' | 'eager', 'reason': ...}: which linear path CPU forwards take."""
     if not _state["enabled"]:
         return {"engine": "eager", "reason": "fast path switched off (D3D_ENGINE=eager or set_enabled(False))"}
-    if _state["ok"] is None:
-        with _lock:
-            if _state["ok"] is None:
-                _state["ok"], _state["why"] = _self_test()
-    return {"engine": "fast" if _state["ok"] else "eager", "reason": _state["why"]}
+    return {"engine": "fast" if _passed("ok", "why", _self_test) else "eager", "reason": _state["why"]}
 
 
 def set_enabled(on: bool) -> None:
@@ -109,11 +115,7 @@ def int8_status() -> dict:
         return {"drafter_int8": "off", "reason": "switched off (D3D_DRAFTER_INT8=off or set_int8(False))"}
     if not enabled():
         return {"drafter_int8": "off", "reason": "the fast engine is off"}
-    if _state["int8_ok"] is None:
-        with _lock:
-            if _state["int8_ok"] is None:
-                _state["int8_ok"], _state["int8_why"] = _int8_self_test()
-    return {"drafter_int8": "on" if _state["int8_ok"] else "off", "reason": _state["int8_why"]}
+    return {"drafter_int8": "on" if _passed("int8_ok", "int8_why", _int8_self_test) else "off", "reason": _state["int8_why"]}
 
 
 def set_int8(on: bool) -> None:
@@ -149,8 +151,10 @@ def exact(fn):
 
 
 def _int8(owner: nn.Module) -> bool:
+    """Run this owner's linear in int8? Called per linear on the fast path (which the caller has already
+    checked), so it reads the cached self-test result instead of building :func:`int8_status`."""
     return (getattr(owner, "_d3d_int8", False) and _state["int8"] and not getattr(_local, "exact", False)
-            and int8_status()["drafter_int8"] == "on")
+            and _passed("int8_ok", "int8_why", _int8_self_test))
 
 
 def _usable(x: torch.Tensor, w: torch.Tensor) -> bool:
