@@ -20,13 +20,16 @@ def intro(costs: Optional[dict]) -> str:
         return INTRO_GENERIC
     cpu = ((costs.get("machine_info") or {}).get("cpu")) or "this CPU"
     d3d = next((r for r in rows if r["forward"].startswith("d3d draft")), None)
-    ratios = ", ".join(f"verify({b}) = {ver[b]['per_step']:.2f}" for b in sorted(ver) if b > 1)
+    ratios = ", ".join(f"verify({b}) = {ver[b]['per_step']:.2f}" for b in sorted(ver) if b in (2, 4, 6, 8, 16))
+    cheap = ver[8]["per_step"] <= 1.25
+    verdict = ("**On this machine it is nearly that cheap, up to a point.**" if cheap else
+               "**On this machine it is not that cheap.**")
     return f"""
 ### Autoregressive (AR) decoding
 The **target** (the large model whose output we must reproduce exactly) produces one token per
 forward pass. On a GPU at batch size 1 that pass is dominated by reading the weights, so feeding it
 8 tokens costs hardly more than feeding it 1 — speculative decoding exploits exactly that.
-**On this machine it is not that cheap.** Measured on {cpu} ({ver[1]['threads']} threads): one step
+{verdict} Measured on {cpu} ({ver[1]['threads']} threads): one step
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
 {(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
@@ -54,9 +57,10 @@ DRAFT_GATE = """
 Even a cut verify cannot help when the first draft itself is usually wrong: a round then pays
 `T_draft + T_verify(k)` for one token, more than the single step `ar` pays for the same token. On some
 prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right only about one time in
-five). So by default (**Drafting: gated**) the engine keeps a running estimate of what its drafted rounds
-earned, `(a + 1) / (T_draft + T_verify(k))` tokens per step of cost, averaged with weight ½ on the newest,
-and while it is below what a plain target step earns — 1; in `d3d-async` the step time on one core over
+five). So by default (**Drafting: gated**) the engine keeps a running estimate of what its last 16 drafted
+rounds earned, tokens per step of cost `T_draft + T_verify(k)`, each round counted as the mean of the
+`a + 1` tokens it committed and the tokens its drafter expected from its own probabilities (one accept or
+reject alone is a noisy signal), and while it is below what a plain target step earns — 1; in `d3d-async` the step time on one core over
 that on all cores, since a skipped round has nothing to overlap and runs on every core — it **skips the draft**: the target verifies the
 anchor alone, exactly an `ar` step (pale blue *no draft* rows in **Rounds**). Every few skipped rounds it
 drafts once as a **probe** (4 rounds, doubling after each probe that does not pay, up to 32); a probe that

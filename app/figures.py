@@ -546,10 +546,21 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     sub = f"{th} thread(s), {costs.get('engine', '?')} engine"
     if m:
         sub += f"; this CPU reads {m['read_gb_s']:.0f} GB/s and multiplies at {m['gemm_gflop_s']:.0f} GFLOP/s"
+    pads = row_plan_text((costs.get("row_plan") or {}).get("plan"))
+    if pads or costs.get("drafter_int8") == "on":
+        sub += "<br>" + "; ".join(x for x in (pads, "D3D drafter MLPs and head in int8" if costs.get("drafter_int8") == "on" else "") if x)
     fig.update_layout(barmode="stack", title=f"{title}<br><sup>{sub}</sup>", xaxis_title="ms per forward",
                       yaxis=dict(autorange="reversed"), height=90 + 32 * len(rows),
                       legend=dict(orientation="h", y=-0.18), **LAYOUT)
     return fig
+
+
+def row_plan_text(plan) -> str:
+    """"GEMMs of 2 rows run as 6, ..." for the target's measured row plan (Target.row_plan), "" when it pads nothing."""
+    if not isinstance(plan, (list, tuple)):
+        return ""
+    pads = [f"{m} as {p}" for m, p in enumerate(plan) if m and isinstance(p, int) and p != m]
+    return ("row plan measured here: GEMMs of " + ", ".join(pads) + " rows (padding that ran faster)") if pads else ""
 
 
 def overlap_text(costs: Optional[dict]) -> str:

@@ -141,6 +141,18 @@ def test_cost_breakdown_parts_add_up_to_wall(toy):
     assert v4["bytes"] >= step["bytes"] and v4["flops"] > 3.5 * step["flops"]
 
 
+def test_int8_drafter_reads_about_a_quarter_of_the_mlp_and_head_bytes(toy):
+    from d3d_core.measure.costs import _attn_params, _mlp_params, work_of
+
+    arch = toy.target.arch
+    fp, q8 = work_of(arch, 9, 2, 8, 64, 32), work_of(arch, 9, 2, 8, 64, 32, int8=True)
+    assert fp["flops"] == q8["flops"]  # int8 changes bytes, not work
+    saved = fp["bytes"] - q8["bytes"]
+    full = 4 * (2 * _mlp_params(arch) + 64 * arch.hidden_size)
+    assert 0.5 * full < saved < 0.75 * full  # 3 of 4 bytes per weight, less the per-row scales
+    assert work_of(arch, 9, 2, 8, 64, 32)["bytes"] - 4 * 2 * _attn_params(arch) > 0
+
+
 def test_quiet_watch_flags_a_busy_machine(monkeypatch):
     import d3d_core.measure.machine as m
 
@@ -288,3 +300,39 @@ def test_training_keeps_drafters_exact(toy):
     d = toy.drafter("d3d")
     assert fastops._int8(d) and not fastops.exact(lambda: fastops._int8(d))()
     assert train.__wrapped__ is not None  # train is wrapped by fastops.exact
+
+
+def test_row_plan_pads_only_to_a_measurably_faster_width():
+    times = {1: 34.1, 2: 38.3, 3: 34.0, 4: 33.5, 5: 32.8, 6: 32.7, 7: 36.8, 8: 38.1}  # measured, AVX-512 EPYC
+    plan = fastops.plan_from_times(times)
+    assert plan[2] == 6 and plan[1] == 1 and plan[7] == 7 and plan[8] == 8  # 1 -> 6 gains only 4 %
+    assert fastops.plan_from_times({m: 10.0 for m in range(1, 9)}) == fastops.IDENTITY_PLAN
+    assert fastops.plan_from_times({m: 10.0 - m for m in range(1, 9)})[1:] == (8,) * 8
+    assert fastops.fixed_plan(4)[1:] == (4, 4, 4, 4, 5, 6, 7, 8) and fastops.fixed_plan(0) == fastops.IDENTITY_PLAN
+
+
+def test_padded_rows_change_no_real_row(toy):
+    lin = torch.nn.Linear(32, 48)
+    x = torch.randn(2, 32)
+    with torch.inference_mode():
+        plain = fastops.packed_linear(lin, "w", [lin.weight], [lin.bias], x)
+        padded = fastops.packed_linear(lin, "w", [lin.weight], [lin.bias], x, plan=fastops.fixed_plan(6))
+    assert padded.shape == (2, 48) and torch.allclose(plain, padded, atol=1e-5)
+
+
+@pytest.mark.parametrize("floor", ["4", "off"])
+def test_every_mode_equals_ar_under_a_row_plan(toy, monkeypatch, floor):
+    """The row plan is the target's, fixed before its first forward: AR and every drafting mode pad alike."""
+    monkeypatch.setenv("D3D_ROW_PLAN", floor)
+    monkeypatch.setattr(toy.target, "_row_plan", None)
+    assert toy.target.row_plan() == (fastops.fixed_plan(4) if floor == "4" else fastops.IDENTITY_PLAN)
+    assert toy.target.row_plan_info["setting"] == floor
+    ref = decode(toy, "count: 1, 2, 3", DecodeConfig(mode="ar", max_new_tokens=24, block_size=4))
+    for mode in MODES[1:]:
+        assert decode(toy, "count: 1, 2, 3", DecodeConfig(mode=mode, max_new_tokens=24, block_size=4)).output_ids == ref.output_ids
+
+
+def test_a_toy_target_is_too_small_to_measure(toy, monkeypatch):
+    monkeypatch.delenv("D3D_ROW_PLAN", raising=False)
+    monkeypatch.setattr(toy.target, "_row_plan", None)
+    assert toy.target.row_plan() == fastops.IDENTITY_PLAN and "not measured" in toy.target.row_plan_info["why"]

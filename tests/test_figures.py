@@ -225,3 +225,18 @@ def test_bench_acceptance_figure_pools_or_picks_a_dataset():
     assert [d.name.split(" ")[0] for d in g.data] == ["d3d-seq"] and list(g.data[0].y) == [0.5, 0, 0, 0.5]
     assert figures.bench_acceptance_figure(None).layout.annotations
     assert figures.bench_acceptance_figure(result, "aime25").layout.annotations
+
+
+def test_cost_breakdown_figure_names_the_row_plan_and_the_int8_drafter():
+    from d3d_core.models.bundles import asset_json
+
+    costs = asset_json("bench", "smollm2-135m-costs.json")
+    fig = figures.cost_breakdown_figure(costs)
+    rows = [r for r in costs["rows"] if r["threads"] == 2]
+    assert len(fig.data) == 5 and list(fig.data[0].y) == [r["forward"] for r in rows]
+    plan = costs["row_plan"]["plan"]
+    text = fig.layout.title.text
+    assert ("int8" in text) == (costs["drafter_int8"] == "on")
+    assert all(f"{m} as {p}" in text for m, p in enumerate(plan) if m and p != m)
+    assert figures.row_plan_text(list(range(9))) == "" and figures.row_plan_text(None) == ""
+    assert figures.row_plan_text([0, 1, 6, 3, 4, 5, 6, 7, 8]).endswith("GEMMs of 2 as 6 rows (padding that ran faster)")

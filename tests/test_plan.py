@@ -146,6 +146,20 @@ def test_draft_gate_closes_probes_backs_off_and_reopens():
     assert g.interval <= g.probe_max
 
 
+def test_draft_gate_is_a_ratio_of_sums_over_its_window_and_one_miss_does_not_close_it():
+    g = DraftGate(window=4)
+    for t in (3, 3, 3):
+        g.drafted(t, 1.5)
+    g.drafted(1, 1.5)  # a miss after a good run: 10 tokens for 6 steps
+    assert g.rate == pytest.approx(10 / 6) and g.is_open()
+    for _ in range(4):
+        g.drafted(1, 1.5)  # four misses push the good rounds out of the window
+    assert len(g.history) == 4 and g.rate == pytest.approx(1 / 1.5) and not g.is_open()
+    h = DraftGate()
+    h.drafted(1, 1.25, expected=2.0)  # a miss the drafter thought likely to pass counts half of each
+    assert h.rate == pytest.approx(1.5 / 1.25)
+
+
 def test_under_the_flat_model_the_gate_never_skips(toy):
     for mode in ("dflash", "d3d-seq", "d3d-async"):
         tr = decode(toy, "the cat sat", DecodeConfig(mode=mode, max_new_tokens=40, stop_at_eos=False))
@@ -182,7 +196,7 @@ def test_a_closed_gate_samples_exactly_like_ar(toy, mode, monkeypatch):
     gives the same tokens as ar, token for token."""
     from d3d_core.decoding import engine
 
-    monkeypatch.setattr(engine, "DraftGate", lambda **kw: DraftGate(rate=0.0, probe_every=10**6))
+    monkeypatch.setattr(engine, "DraftGate", lambda **kw: DraftGate(history=[(0.0, 1.0)], probe_every=10**6))
     for seed in range(5):
         cfg = DecodeConfig(mode=mode, temperature=1.0, sampling="rejection", seed=seed, max_new_tokens=20, stop_at_eos=False, threads=1)
         tr = decode(toy, "ab", cfg)

@@ -25,7 +25,7 @@ import torch
 
 from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache
 from .config import DecodeConfig
-from .plan import CostModel, DraftGate, verify_width
+from .plan import CostModel, DraftGate, expected_tokens, verify_width
 from .sampling import accept, choose, probs
 from .timing import Lanes, Recorder, cpu_threads
 from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
@@ -318,7 +318,8 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             target.rollback(t_cache, len(drafts) - v.accepted)
         run.n_target_fwd += 1
         if gate is not None and draft is not None:
-            gate.drafted(v.accepted + 1, mode.draft_cost() + run.costs.verify_cost(len(drafts) + 1))
+            gate.drafted(v.accepted + 1, mode.draft_cost() + run.costs.verify_cost(len(drafts) + 1),
+                         expected=expected_tokens(q_drafts, len(drafts) + 1))
         elif gate is not None:
             gate.skip()
         committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)

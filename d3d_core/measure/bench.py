@@ -338,7 +338,8 @@ def main(argv=None) -> int:
     result = {
         "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
         "machine": machine,
-        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(), "drafter_int8": fastops.int8_status()},
+        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(), "drafter_int8": fastops.int8_status(),
+                   "row_plan": bundle.target.row_plan_info},
         "quiet": quiet.to_json(),
         "wall_time_s": time.time() - t0,
         "rows": rows,

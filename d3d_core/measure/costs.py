@@ -60,6 +60,23 @@ def _drafters_at(bundle, ctx: torch.Tensor, g: torch.Generator) -> tuple:
     return d3d, dcache, dfl, fcache
 
 
+def _interleaved_medians(fns: list, repeats: int) -> list:
+    """Median ms of each function, timed round-robin (every function once per round, ``repeats`` rounds,
+    after one warm-up round): a burst of contention from outside the machine then lands on every
+    function alike instead of spoiling all the samples of one."""
+    for fn in fns:
+        fn()
+    ts = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            ts[i].append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in ts]
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     ts = []
@@ -172,18 +189,34 @@ def machine_limits(threads: int, mb: int = 256) -> dict:
     return {"threads": threads, "read_gb_s": x.numel() * 4 / bw_ms / 1e6, "gemm_gflop_s": 2 * 1024**3 / mm_ms / 1e6}
 
 
+def _attn_params(arch) -> int:
+    h, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
+    return h * arch.num_attention_heads * arch.head_dim * 2 + 2 * h * kv
+
+
+def _mlp_params(arch) -> int:
+    return 3 * arch.hidden_size * arch.intermediate_size
+
+
 def _layer_params(arch) -> int:
-    h, i, kv = arch.hidden_size, arch.intermediate_size, arch.num_key_value_heads * arch.head_dim
-    return h * arch.num_attention_heads * arch.head_dim * 2 + 2 * h * kv + 3 * h * i
+    return _attn_params(arch) + _mlp_params(arch)
 
 
-def work_of(arch, n_rows: int, n_layers: int, head_rows: int, head_vocab: int, ctx: int) -> dict:
-    """Bytes read (fp32 weights + KV) and FLOPs of a forward over ``n_rows`` query rows."""
-    p = _layer_params(arch) * n_layers + head_vocab * arch.hidden_size
+def work_of(arch, n_rows: int, n_layers: int, head_rows: int, head_vocab: int, ctx: int, int8: bool = False) -> dict:
+    """Bytes read (weights + fp32 KV) and FLOPs of a forward over ``n_rows`` query rows. Weights are fp32
+    (4 bytes), except with ``int8`` (a drafter as decoding runs it, see fastops.mark_int8): the MLPs and
+    the head are 1 byte per weight plus one fp32 scale per output row; attention stays fp32."""
+    h = arch.hidden_size
+    if int8:
+        mlp_b = _mlp_params(arch) + 4 * (2 * arch.intermediate_size + h)
+        head_b = head_vocab * h + 4 * head_vocab
+    else:
+        mlp_b, head_b = 4 * _mlp_params(arch), 4 * head_vocab * h
+    w_bytes = (4 * _attn_params(arch) + mlp_b) * n_layers + head_b
     kv = 2 * n_layers * arch.num_key_value_heads * arch.head_dim * (ctx + n_rows)
     attn = 4 * n_rows * (ctx + n_rows) * arch.num_attention_heads * arch.head_dim * n_layers
-    flops = 2 * n_rows * _layer_params(arch) * n_layers + 2 * head_rows * head_vocab * arch.hidden_size + attn
-    return {"bytes": 4 * (p + kv), "flops": flops}
+    flops = 2 * n_rows * _layer_params(arch) * n_layers + 2 * head_rows * head_vocab * h + attn
+    return {"bytes": w_bytes + 4 * kv, "flops": flops}
 
 
 def _profile_parts(fn, wall_ms: float, repeats: int = 3) -> dict:
@@ -230,24 +263,25 @@ def breakdown(bundle, ctx_len: int = 300, block_sizes=VERIFY_WIDTHS, hypotheses=
     forwards = [("step", 1, verifier(1), work_of(arch, 1, L, 1, V, ctx_len))]
     forwards += [(f"verify({B})", B, verifier(B), work_of(arch, B, L, B, V, ctx_len)) for B in block_sizes]
     nd = len(d3d.active_layers())
+    q8 = fastops.int8_status()["drafter_int8"] == "on"  # the D3D drafter's MLPs and head read 1 byte per weight
     forwards.append((f"d3d draft({B_draft})", B_draft, lambda: d3d_draft(d3d, dcache, [], 5, cfg, g),
-                     work_of(arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len)))
+                     work_of(arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len, int8=q8)))
     for H in hypotheses:
         cH = cfg.with_(hypotheses=H)
         forwards.append((f"d3d packed(H={H})", B_draft, lambda cH=cH: d3d_packed(d3d, dcache, 5, draft, cH, g),
-                         work_of(arch, B_draft + H * (B_draft + 1), nd, H * B_draft, head_k(d3d), ctx_len)))
+                         work_of(arch, B_draft + H * (B_draft + 1), nd, H * B_draft, head_k(d3d), ctx_len, int8=q8)))
     forwards.append((f"dflash draft({B_draft})", B_draft, lambda: dflash_draft(dfl, fcache, None, 5, cfg, g),
                      work_of(arch, B_draft, len(dfl.active_layers()), B_draft - 1, head_k(dfl), ctx_len)))
     out = {"ctx_len": ctx_len, "repeats": repeats, "engine": target.engine, "machine": {}, "rows": [],
-           "first_prefill_ms": first_ms, "d3d_active_layers": nd}
+           "first_prefill_ms": first_ms, "d3d_active_layers": nd,
+           "drafter_int8": fastops.int8_status()["drafter_int8"], "row_plan": target.row_plan_info}
     for th in threads:
         lim = machine_limits(th)
         out["machine"][str(th)] = lim
         with cpu_threads(th):
-            step_ms = None
-            for name, B, fn, work in forwards:
-                wall = _median_ms(fn, repeats)
-                step_ms = wall if name == "step" else step_ms
+            walls = _interleaved_medians([f[2] for f in forwards], repeats)
+            step_ms = walls[0]  # forwards[0] is the step
+            for (name, B, fn, work), wall in zip(forwards, walls):
                 bw_ms = work["bytes"] / lim["read_gb_s"] / 1e6
                 fl_ms = work["flops"] / lim["gemm_gflop_s"] / 1e6
                 out["rows"].append({
@@ -315,7 +349,7 @@ def crossover_text(c: dict) -> str:
 
 
 def breakdown_text(c: dict) -> str:
-    lines = [f"cost breakdown ({c['engine']} engine, context {c['ctx_len']} tokens, median of {c['repeats']}; "
+    lines = [f"cost breakdown ({c['engine']} engine, context {c['ctx_len']} tokens, median of {c['repeats']} interleaved rounds; "
              f"first prefill of the process {c.get('first_prefill_ms', float('nan')):.0f} ms, packing included)"]
     for th, m in c["machine"].items():
         lines.append(f"  {th} thread(s): read {m['read_gb_s']:.1f} GB/s, fp32 GEMM {m['gemm_gflop_s']:.0f} GFLOP/s")

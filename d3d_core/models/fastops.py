@@ -216,9 +216,49 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None) -> torch.Tensor:
+# ----------------------------------------------------------------------------- the row plan
+#
+# oneDNN's kernel for a GEMM depends on its row count, and a few more rows can cost less than fewer:
+# on the AVX-512 AMD EPYC (2 threads) the target's forward over 2 rows took 39.6 ms and over 3 or 4
+# rows 33–34 ms (the 2-row kernels stream the weights more slowly); on the AVX2 EPYC verify(2) was
+# cheaper than verify(4). So the plan is measured on each machine, once per process, on the target's
+# own forward before its first real one (Target.row_plan): every row count m <= ROW_PLAN_MAX runs at
+# the m' >= m whose forward was fastest, if it was at least ROW_PLAN_GAIN faster. Padding adds rows
+# and changes no real row's inputs; it may change float rounding (another kernel), the same way in
+# every mode, so AR and the drafting modes still run identical arithmetic.
+
+ROW_PLAN_MAX = 8  # row counts the plan may pad (a step, short verifies, drafter commits)
+ROW_PLAN_GAIN = 0.05  # pad only when the padded chain is at least 5 % faster
+IDENTITY_PLAN = tuple(range(ROW_PLAN_MAX + 1))  # plan[m] = rows a GEMM of m rows runs at (index 0 unused)
+
+
+def row_plan_setting() -> str:
+    """``D3D_ROW_PLAN``: "auto" (measure, the default), "off" (never pad), or an integer F (pad every
+    row count below F up to F)."""
+    return os.environ.get("D3D_ROW_PLAN", "auto").strip().lower() or "auto"
+
+
+def plan_from_times(times: dict, gain: float = ROW_PLAN_GAIN) -> tuple:
+    """{m: ms of the chain at m rows} for m = 1..ROW_PLAN_MAX -> plan[m] = the m' >= m with the least
+    time, when it beats m by ``gain``; else m."""
+    plan = list(IDENTITY_PLAN)
+    for m in range(1, ROW_PLAN_MAX + 1):
+        best = min((k for k in times if k >= m), key=lambda k: (times[k], k), default=m)
+        if m in times and times[best] < (1 - gain) * times[m]:
+            plan[m] = best
+    return tuple(plan)
+
+
+def fixed_plan(floor: int) -> tuple:
+    floor = max(1, min(int(floor), ROW_PLAN_MAX))
+    return tuple(max(m, floor) if m else 0 for m in IDENTITY_PLAN)
+
+
+def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None,
+                  plan: Optional[tuple] = None) -> torch.Tensor:
     """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
-    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``.
+    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``, and
+    small row counts to ``plan[m]`` when a row plan is given (see above).
     Owners marked with :func:`mark_int8` run the dynamic int8 linear instead (no per-shape primitives
     to bound, so no padding)."""
     lead = x.shape[:-1]
@@ -229,7 +269,7 @@ def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], b
     wp, b = _packed(owner, key, weights, biases, prep)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    mb = row_bucket(m)
+    mb = plan[m] if plan is not None and m < len(plan) else row_bucket(m)
     if mb != m:
         x2 = torch.cat([x2, x2.new_zeros(mb - m, x2.shape[1])])
     y = torch.ops.mkldnn._linear_pointwise(x2, wp, b, "none", [], "")

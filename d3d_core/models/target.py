@@ -6,7 +6,8 @@ Two engines behind one interface (``Target.forward``), chosen per cache:
   weights — q|k|v and gate|up fused into one prepacked oneDNN GEMM each (``fastops``), a
   preallocated KV cache written in place (rollback moves a length, nothing is copied), RoPE
   tables computed once, GQA attention as one SDPA call per KV head group, and the LM head
-  only on the rows whose logits are asked for. Every mode, ``ar`` included, runs through it.
+  only on the rows whose logits are asked for, and small row counts padded by a row plan measured
+  on this machine (``Target.row_plan``). Every mode, ``ar`` included, runs through it.
 - **eager**: the Hugging Face model with its ``DynamicCache`` (GPU, other architectures, or
   ``D3D_ENGINE=eager`` / ``engine="eager"`` for comparison).
 
@@ -16,6 +17,8 @@ next block is committed but not yet in the cache (verify feeds it as the block's
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +31,9 @@ from .drafters import ArchConfig, SharedParts
 from .fastops import ATTENTION, LM_HEAD
 
 ENGINES = ("fast", "eager")
+ROW_PLAN_MIN_MB = 64  # a target whose weights are smaller stays in cache; its row plan is not measured
+_ROW_PLANS: dict = {}  # (model type, architecture, threads) -> (plan, info): measured once per process
+_ROW_PLAN_LOCK = threading.RLock()
 
 
 @dataclass
@@ -86,6 +92,7 @@ class Target:
         self.final_norm = base.norm
         self.shared = SharedParts(model.get_input_embeddings(), model.get_output_embeddings(), base.rotary_emb)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 4096))
+        self._row_plan, self.row_plan_info = None, {}  # fixed by row_plan() before the first fast forward
 
     @property
     def device(self):
@@ -168,7 +175,60 @@ class Target:
         idx = torch.cat([h * hd + self._perm for h in range(n_qk)] + [torch.arange(n_qk * hd, w.shape[0])])
         return w[idx], (b[idx] if b is not None else None)
 
-    def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple) -> TargetOutput:
+    def row_plan(self) -> tuple:
+        """The row plan this target's fast forward pads small row counts by (``plan[m]``: the rows a
+        GEMM of m rows runs at; see fastops), fixed before the first fast forward so every forward of
+        the process, in every mode, runs the same kernels. ``row_plan_info`` says how it was chosen."""
+        if getattr(self, "_row_plan", None) is None:
+            with _ROW_PLAN_LOCK:
+                if getattr(self, "_row_plan", None) is None:
+                    plan, self.row_plan_info = self._choose_row_plan()
+                    self._row_plan = plan
+        return self._row_plan
+
+    def _choose_row_plan(self) -> tuple:
+        setting = fastops.row_plan_setting()
+        if setting == "off":
+            return fastops.IDENTITY_PLAN, {"setting": "off", "plan": list(fastops.IDENTITY_PLAN), "why": "D3D_ROW_PLAN=off"}
+        if setting.isdigit():
+            plan = fastops.fixed_plan(int(setting))
+            return plan, {"setting": setting, "plan": list(plan), "why": f"D3D_ROW_PLAN={setting}: every row count below it runs at it"}
+        weight_mb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20
+        if weight_mb < ROW_PLAN_MIN_MB:  # a toy target sits in cache: its timings would be noise
+            return fastops.IDENTITY_PLAN, {"setting": "auto", "plan": list(fastops.IDENTITY_PLAN),
+                                           "why": f"weights ({weight_mb:.0f} MB) under {ROW_PLAN_MIN_MB} MB: not measured"}
+        key = (self.config.model_type, self.arch, torch.get_num_threads())
+        if key not in _ROW_PLANS:
+            _ROW_PLANS[key] = self._measure_row_plan()
+        return _ROW_PLANS[key]
+
+    def _measure_row_plan(self, ctx: int = 64, repeats: int = 4) -> tuple:
+        """Time this target's fast forward over m = 1..ROW_PLAN_MAX rows (unpadded, after a ``ctx``-token
+        prefill that also packs every weight; widths interleaved, the fastest of ``repeats``: other work on
+        the machine only ever adds time) and pad each m to the wider forward that ran fastest
+        (fastops.plan_from_times)."""
+        t0 = time.perf_counter()
+        unpadded = fastops.IDENTITY_PLAN
+        cache = self.new_cache()
+        ids = torch.arange(ctx + fastops.ROW_PLAN_MAX) % self.arch.vocab_size
+        self._forward_fast(cache, ids[:ctx], 1, (), unpadded)
+        times = {m: [] for m in range(1, fastops.ROW_PLAN_MAX + 1)}
+        for rep in range(repeats + 1):  # the first pass builds each shape's kernels and is not counted
+            for m in times:
+                t1 = time.perf_counter()
+                self._forward_fast(cache, ids[ctx : ctx + m], m, (), unpadded)
+                if rep:
+                    times[m].append((time.perf_counter() - t1) * 1e3)
+                cache.length = ctx
+        best = {m: min(t) for m, t in times.items()}
+        plan = fastops.plan_from_times(best)
+        return plan, {"setting": "auto", "plan": list(plan), "forward_ms": best, "threads": torch.get_num_threads(),
+                      "calibrate_ms": (time.perf_counter() - t0) * 1e3,
+                      "why": "measured: this target's forward over 1..8 rows on this machine (Target.row_plan)"}
+
+    def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple,
+                      plan: Optional[tuple] = None) -> TargetOutput:
+        plan = plan or self._row_plan or self.row_plan()
         n, T = ids.shape[0], cache.length
         if T + n > self.max_positions:
             raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
@@ -183,27 +243,28 @@ class Target:
         feats = {}
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, H, layer.input_layernorm.weight, eps)
-            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask)
+            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask, plan)
             h = F.rms_norm(x, H, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
-            gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h)
+            gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h,
+                                       plan=plan)
             gate, up = gu.chunk(2, dim=-1)
-            x = x + fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], F.silu(gate) * up)
+            x = x + fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], F.silu(gate) * up, plan=plan)
             if i in feature_layers:
                 feats[i] = x
         cache.length = T + n
         with record_function(LM_HEAD):
             h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
-            logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h)  # (n_logits, V)
+            logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan)  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
 
-    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask):
+    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask, plan: tuple):
         """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1."""
         n = x.shape[0]
         nh, nkv, hd = self.arch.num_attention_heads, self.arch.num_key_value_heads, self.arch.head_dim
         qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv)
+                                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv, plan=plan)
         qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
         if self._qk_norm[i] is not None:  # Qwen3: per-head RMSNorm before RoPE
             qw, kw = self._qk_norm[i]
@@ -219,7 +280,7 @@ class Target:
         with record_function(ATTENTION):
             y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
         y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
-        return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y)
+        return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y, plan=plan)
 
     # ------------------------------------------------------------------ the decode API
 
