@@ -219,8 +219,8 @@ def row_bucket(m: int) -> int:
 # ----------------------------------------------------------------------------- the row plan
 #
 # oneDNN's kernel for a GEMM depends on its row count, and a few more rows can cost less than fewer:
-# on the AVX-512 AMD EPYC (2 threads) the target's forward over 2 rows took 39.6 ms and over 3 or 4
-# rows 33–34 ms (the 2-row kernels stream the weights more slowly); on the AVX2 EPYC verify(2) was
+# on the AVX-512 AMD EPYC (2 threads) the target's forward over 2 rows took 38–43 ms and over 3 to 6
+# rows 33–39 ms (the 2-row kernels stream the weights more slowly); on the AVX2 EPYC verify(2) was
 # cheaper than verify(4). So the plan is measured on each machine, once per process, on the target's
 # own forward before its first real one (Target.row_plan): every row count m <= ROW_PLAN_MAX runs at
 # the m' >= m whose forward was fastest, if it was at least ROW_PLAN_GAIN faster. Padding adds rows
@@ -228,7 +228,7 @@ def row_bucket(m: int) -> int:
 # every mode, so AR and the drafting modes still run identical arithmetic.
 
 ROW_PLAN_MAX = 8  # row counts the plan may pad (a step, short verifies, drafter commits)
-ROW_PLAN_GAIN = 0.05  # pad only when the padded chain is at least 5 % faster
+ROW_PLAN_GAIN = 0.05  # pad only when the wider forward was at least 5 % faster
 IDENTITY_PLAN = tuple(range(ROW_PLAN_MAX + 1))  # plan[m] = rows a GEMM of m rows runs at (index 0 unused)
 
 
@@ -239,7 +239,7 @@ def row_plan_setting() -> str:
 
 
 def plan_from_times(times: dict, gain: float = ROW_PLAN_GAIN) -> tuple:
-    """{m: ms of the chain at m rows} for m = 1..ROW_PLAN_MAX -> plan[m] = the m' >= m with the least
+    """{m: ms of a forward over m rows} for m = 1..ROW_PLAN_MAX -> plan[m] = the m' >= m with the least
     time, when it beats m by ``gain``; else m."""
     plan = list(IDENTITY_PLAN)
     for m in range(1, ROW_PLAN_MAX + 1):
