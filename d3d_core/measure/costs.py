@@ -78,15 +78,8 @@ def _interleaved_medians(fns: list, repeats: int) -> list:
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+    """Median ms of ``fn`` over ``repeats`` calls after one warm-up call."""
+    return _interleaved_medians([fn], repeats)[0]
 
 
 @torch.inference_mode()

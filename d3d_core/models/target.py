@@ -179,9 +179,9 @@ class Target:
         """The row plan this target's fast forward pads small row counts by (``plan[m]``: the rows a
         GEMM of m rows runs at; see fastops), fixed before the first fast forward so every forward of
         the process, in every mode, runs the same kernels. ``row_plan_info`` says how it was chosen."""
-        if getattr(self, "_row_plan", None) is None:
+        if self._row_plan is None:
             with _ROW_PLAN_LOCK:
-                if getattr(self, "_row_plan", None) is None:
+                if self._row_plan is None:
                     plan, self.row_plan_info = self._choose_row_plan()
                     self._row_plan = plan
         return self._row_plan
@@ -228,7 +228,7 @@ class Target:
 
     def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple,
                       plan: Optional[tuple] = None) -> TargetOutput:
-        plan = plan or self._row_plan or self.row_plan()
+        plan = plan or self.row_plan()
         n, T = ids.shape[0], cache.length
         if T + n > self.max_positions:
             raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
