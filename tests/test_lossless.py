@@ -109,3 +109,32 @@ def test_anchor_first_draft_reads_the_anchor_slot_and_stays_lossless(toy):
 
 def test_shipped_d3d_drafter_reads_draft_one_from_the_anchor_slot(smollm):
     assert smollm.drafter("d3d").cfg.first_draft == "anchor" and smollm.drafter("dflash").cfg.first_draft == "mask"
+
+
+def test_causal_anchor_in_a_full_depth_drafter_drafts_the_targets_own_token(toy):
+    """anchor_attention='causal': the anchor slot sees the context prefix and itself only, so a D3D drafter built
+    from every target layer, reading draft 1 there, drafts exactly the target's greedy token (offline τ at B = 2
+    is 2 at every anchor) before any training; both D3D modes stay exactly ar's."""
+    from dataclasses import replace
+
+    from d3d_core.models.bundles import BUNDLES, init_drafter
+    from d3d_core.models.drafters import DrafterConfig
+    from d3d_core.training.offline_tau import greedy_continuations, offline_tau
+
+    d = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=toy.target.num_layers)
+    d.cfg = replace(d.cfg, first_draft="anchor", anchor_attention="causal")
+    seqs = greedy_continuations(toy, PROMPTS, 24)
+    assert offline_tau(d, seqs, B=2, stride=1) == 2.0
+    block = d.with_first_draft("anchor")
+    block.cfg = replace(block.cfg, anchor_attention="block")  # the shipped rule: the anchor also sees its MASK slots
+    assert offline_tau(block, seqs, B=2, stride=1) < 2.0
+    ref = decode(toy, PROMPTS[2], DecodeConfig(mode="ar", max_new_tokens=30))
+    for mode in ("d3d-seq", "d3d-async"):
+        tr = decode(toy, PROMPTS[2], DecodeConfig(mode=mode, max_new_tokens=30, block_size=4, drafting="always"), drafter=d)
+        assert tr.output_ids == ref.output_ids, mode
+        assert all(r.accepted >= 1 for r in tr.rounds if r.draft_ids), mode
+    with pytest.raises(ValueError, match="anchor_attention"):
+        DrafterConfig.from_json({**d.cfg.to_json(), "anchor_attention": "none"})
+    with pytest.raises(ValueError, match="D3D"):
+        replace(toy.drafter("dflash").cfg, anchor_attention="causal")
+    assert DrafterConfig.from_json({k: v for k, v in d.cfg.to_json().items() if k != "anchor_attention"}).anchor_attention == "block"

@@ -134,3 +134,25 @@ def test_cli_fine_tunes_a_saved_drafter(toy, examples, tmp_path, capsys):
     capsys.readouterr()
     assert main(args + ["--out", str(tmp_path / "bad"), "--init", str(tmp_path / "missing")]) == 2
     assert "cannot load --init" in capsys.readouterr().err
+
+
+def test_recipe_rules_reach_the_drafter_survive_resume_and_fine_tuning(toy, examples, tmp_path):
+    """TrainConfig.first_draft / anchor_attention set the fresh drafter's rules, are saved with it and kept on
+    resume; a fine-tune keeps its init's rules unless the recipe names others."""
+    cfg = replace(PRESETS["toy"], layers=4, steps=4, ckpt_every=2, eval_every=4, first_draft="anchor", anchor_attention="causal")
+    assert train(toy, examples, cfg, tmp_path / "deep", progress=False, stop_after=2)["stopped_at"] == 2
+    train(toy, examples, cfg, tmp_path / "deep", progress=False)
+    d = load_drafter(tmp_path / "deep" / "final", toy.target.shared, toy.target.arch)
+    assert (d.cfg.first_draft, d.cfg.anchor_attention, d.cfg.num_layers) == ("anchor", "causal", 4)
+    ft = replace(PRESETS["toy"], layers=4, steps=2, ckpt_every=2, eval_every=2)
+    train(toy, examples, ft, tmp_path / "ft", progress=False, init=d)
+    kept = load_drafter(tmp_path / "ft" / "final", toy.target.shared, toy.target.arch)
+    assert (kept.cfg.first_draft, kept.cfg.anchor_attention) == ("anchor", "causal")
+    train(toy, examples, replace(ft, first_draft="mask", anchor_attention="block"), tmp_path / "ft2", progress=False, init=d)
+    moved = load_drafter(tmp_path / "ft2" / "final", toy.target.shared, toy.target.arch)
+    assert (moved.cfg.first_draft, moved.cfg.anchor_attention) == ("mask", "block")
+    from d3d_core.training.levers import recipe_config
+
+    assert recipe_config("deep30-anchor").layers == 30 and recipe_config("deep30-anchor", layers=2).layers == 2
+    with pytest.raises(ValueError, match="anchor_attention"):
+        train(toy, examples, replace(ft, anchor_attention="sideways"), tmp_path / "bad", progress=False)

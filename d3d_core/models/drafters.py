@@ -97,8 +97,17 @@ class DrafterConfig:
     # where draft 1 is read (d3d): "mask" = the first MASK slot's output; "anchor" = the anchor slot's own
     # next-token output (it saw the same context plus the anchor; measured +1.8 % offline τ, see RESULTS)
     first_draft: str = "mask"
+    # what a D3D block's anchor slot attends to: "block" = the context prefix and its whole block (bidirectional,
+    # the shipped drafters); "causal" = the context prefix and itself only, so in a full-depth target-initialised
+    # drafter the anchor slot computes exactly the target's next-token prediction (issue #15, lever 5)
+    anchor_attention: str = "block"
 
     def __post_init__(self):
+        if self.anchor_attention not in ANCHOR_ATTENTION_RULES:
+            raise ValueError(f"drafter config: anchor_attention must be one of {', '.join(ANCHOR_ATTENTION_RULES)}, "
+                             f"got {self.anchor_attention!r}")
+        if self.anchor_attention != "block" and self.kind != "d3d":
+            raise ValueError("drafter config: anchor_attention applies to D3D drafters only")
         if self.first_draft not in FIRST_DRAFT_RULES:
             raise ValueError(f"drafter config: first_draft must be one of {', '.join(FIRST_DRAFT_RULES)}, got {self.first_draft!r}")
         if self.first_draft == "anchor" and self.kind != "d3d":
@@ -118,6 +127,7 @@ class DrafterConfig:
 
 
 FIRST_DRAFT_RULES = ("mask", "anchor")
+ANCHOR_ATTENTION_RULES = ("block", "causal")
 
 
 def evenly_spaced(n: int, lo: int, hi: int) -> tuple:
@@ -500,6 +510,7 @@ class D3DDrafter(_DrafterBase):
         C, L, T = ctx_ids.shape[0], block_len, cache_len
         nb = len(blocks)
         N = C + nb * L
+        causal_anchor = self.cfg.anchor_attention == "causal"
         parts = [self.shared.embed_tokens(ctx_ids.to(dev))] if C else []
         if nb:
             parts.append(self.block_embeddings([b[0] for b in blocks], L))
@@ -515,6 +526,8 @@ class D3DDrafter(_DrafterBase):
             pos[r : r + L] = torch.arange(T + n_vis, T + n_vis + L)
             allowed[r : r + L, T : T + n_vis] = True  # context prefix up to the anchor
             allowed[r : r + L, T + r : T + r + L] = True  # bidirectional inside the block
+            if causal_anchor:
+                allowed[r, T + r + 1 : T + r + L] = False  # the anchor slot sees the prefix and itself only
         return x, pos.to(dev), additive_mask(allowed, self.dtype, dev)
 
     def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int):

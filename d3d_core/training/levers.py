@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 
 from ..measure.machine import machine_info
-from ..models.bundles import BUNDLES, cache_dir, get_bundle, init_drafter
+from ..models.bundles import cache_dir, get_bundle
 from ..models.drafters import load_drafter
 from .distill import distill_dir, read_examples
 from .losses import HeadLoss
 from .offline_tau import held_out_set, offline_tau, paired_ratio_ci
 from .softlabels import SoftLabelCache
 from .softlabels import cache_root as softlabel_root
-from .train import TrainConfig, d3d_loss, head_shortlist, sample_anchors, split_holdout, to_seq, train
+from .train import TrainConfig, d3d_loss, fresh_drafter, head_shortlist, sample_anchors, split_holdout, to_seq, train
 
 RECIPES = {
     "base": dict(anchors=16, ar_positions=64),  # the shipped recipe
@@ -41,17 +41,27 @@ RECIPES = {
     "dense-short-soft": dict(anchors=0, ar_positions=0, head_shortlist=8192, soft_k=32),
     "short": dict(anchors=16, ar_positions=64, head_shortlist=8192),  # the shipped anchors, the cheaper head
     "short-soft": dict(anchors=16, ar_positions=64, head_shortlist=8192, soft_k=32),
+    # depth, then the slot draft 1 is read at (issue #15, levers 4 and 5): the cheaper head, the shipped anchors
+    "short-anchor": dict(anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor"),
+    "deep16-anchor": dict(layers=16, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor", anchor_attention="causal"),
+    "deep30-anchor": dict(layers=30, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor", anchor_attention="causal"),
 }
 
 
 def recipe_config(name: str, **over) -> TrainConfig:
-    return replace(TrainConfig(kind="d3d", layers=8, block_size=8), **RECIPES[name], **over)
+    return replace(TrainConfig(kind="d3d", layers=8, block_size=8), **{**RECIPES[name], **over})
+
+
+def first_draft_accuracy(drafter, seqs: list) -> dict:
+    """How often draft 1 equals the target's token, read at the anchor slot and at the first MASK slot
+    (offline τ at B = 2, every anchor, minus the bonus): lever 5, whichever slot the drafter decodes with."""
+    return {rule: round(offline_tau(drafter.with_first_draft(rule), seqs, B=2, stride=1) - 1.0, 4) for rule in ("anchor", "mask")}
 
 
 def step_cost(bundle, examples: list, cfg: TrainConfig, n_seqs: int = 4, seed: int = 0) -> dict:
     """Mean wall ms of forward + backward of the D3D loss over the same n training sequences,
     and the supervised positions (block + context) each one trains."""
-    drafter = init_drafter("d3d", bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size).train()
+    drafter = fresh_drafter(bundle, cfg).train()
     train_ex, _ = split_holdout(examples, cfg.max_len)
     picked = random.Random(seed).sample(train_ex, n_seqs)
     head = HeadLoss(drafter.cfg.arch.vocab_size, head_shortlist(train_ex, cfg.head_shortlist) if cfg.head_shortlist else None,
@@ -80,7 +90,8 @@ def _plan_path() -> Path:
     return cache_dir() / "levers" / "plan.json"
 
 
-def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_tokens: int, data_dir, out_json: Path) -> dict:
+def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_tokens: int, data_dir, out_json: Path,
+        reference: str = "base") -> dict:
     plan_f = _plan_path()
     plan = json.loads(plan_f.read_text()) if plan_f.is_file() else {}
     seqs, _ = held_out_set(bundle, data_dir, eval_n, eval_tokens)
@@ -100,15 +111,22 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
         res = train(bundle, examples, cfg, out, progress=False)
         d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch).eval()
         tau, per = offline_tau(d, seqs, B=8, stride=4, per_seq=True)
-        results[name] = {"steps": cfg.steps, "cost": plan[key]["cost"], "held_out_tau": round(tau, 4), "per_seq": per,
+        start = fresh_drafter(bundle, cfg).eval()  # the untrained start: what the CPU time bought is the difference
+        tau0 = offline_tau(start, seqs, B=8, stride=4)
+        results[name] = {"steps": cfg.steps, "layers": cfg.layers, "first_draft": d.cfg.first_draft, "cost": plan[key]["cost"],
+                         "held_out_tau": round(tau, 4), "held_out_tau_start": round(tau0, 4), "per_seq": per,
+                         "draft1": first_draft_accuracy(d, seqs), "draft1_start": first_draft_accuracy(start, seqs),
                          "cpu_s_this_run": round(time.process_time() - t0, 1), "history": res["history"],
                          "train_config": asdict(cfg)}
-        print(json.dumps({"recipe": name, "steps": cfg.steps, "held_out_tau": round(tau, 4)}), file=sys.stderr)
-    if "base" in results:
+        print(json.dumps({"recipe": name, "steps": cfg.steps, "held_out_tau": round(tau, 4), "start": round(tau0, 4),
+                          "draft1": results[name]["draft1"]}), file=sys.stderr)
+    if reference in results:
+        ref = results[reference]
         for name, r in results.items():
-            if name != "base":
-                r["ratio_vs_base"] = round(r["held_out_tau"] / results["base"]["held_out_tau"], 4)
-                r["ratio_ci95"] = [round(x, 4) for x in paired_ratio_ci(r["per_seq"], results["base"]["per_seq"])]
+            if name != reference:
+                r["reference"] = reference
+                r["ratio_vs_reference"] = round(r["held_out_tau"] / ref["held_out_tau"], 4)
+                r["ratio_ci95"] = [round(x, 4) for x in paired_ratio_ci(r["per_seq"], ref["per_seq"])]
     doc = {"minutes_per_recipe": minutes, "threads": torch.get_num_threads(), "held_out": f"{eval_n} benchmark continuations × {eval_tokens} tokens",
            "train_examples": len(split_holdout(examples, TrainConfig.max_len)[0]),
            "train_tokens": sum(len(e["response_ids"]) for e in examples), "results": results}
@@ -130,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-n", type=int, default=16)
     ap.add_argument("--eval-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reference", default="base", help="the recipe every other one is compared with (paired interval)")
     ap.add_argument("--json", default="docs/levers.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -148,10 +167,10 @@ def main(argv=None) -> int:
         rows = {n: step_cost(bundle, examples, recipe_config(n)) for n in names}
         print(json.dumps({"threads": torch.get_num_threads(), "recipes": rows}, indent=1))
         return 0
-    doc = run(bundle, examples, args.minutes, names, args.eval_n, args.eval_tokens, args.data_dir, Path(args.json))
+    doc = run(bundle, examples, args.minutes, names, args.eval_n, args.eval_tokens, args.data_dir, Path(args.json), args.reference)
     for n, r in doc["results"].items():
-        print(f"{n:18s} steps {r['steps']:5d}  held-out τ {r['held_out_tau']:.3f}  {r.get('ratio_vs_base', 1.0):.3f}× base "
-              f"{r.get('ratio_ci95', '')}")
+        print(f"{n:18s} {r['layers']:2d}L steps {r['steps']:5d}  held-out τ {r['held_out_tau_start']:.3f} -> {r['held_out_tau']:.3f}  "
+              f"{r.get('ratio_vs_reference', 1.0):.3f}× {args.reference} {r.get('ratio_ci95', '')}  draft 1 right {r['draft1']}")
     return 0
 
 

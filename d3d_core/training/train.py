@@ -64,6 +64,8 @@ class TrainConfig:
     ckpt_every: int = 100
     holdout_pct: float = 2.0
     kd_alpha: float = 0.0  # α: mix KL(teacher ‖ drafter) into the block loss (healing from the unpruned drafter)
+    first_draft: str = ""  # "mask" | "anchor": the slot draft 1 is read (and trained) at; "" keeps the drafter's own (mask when fresh)
+    anchor_attention: str = ""  # "block" | "causal" (DrafterConfig.anchor_attention); "" keeps the drafter's own (block when fresh)
 
 
 PRESETS = {
@@ -72,6 +74,22 @@ PRESETS = {
     "dflash-2L": TrainConfig(kind="dflash", layers=2),
     "toy": TrainConfig(layers=2, block_size=4, steps=30, anchors=6, max_len=96, accum=1, eval_every=10, eval_seqs=4, ckpt_every=10),
 }
+
+
+def fresh_drafter(bundle, cfg: TrainConfig):
+    """An untrained drafter for cfg: cfg.layers target layers (evenly spaced; all of them at the target's
+    depth) and cfg.first_draft's slot for draft 1. A full-depth D3D drafter reading draft 1 at the anchor
+    slot starts out as the target's own next-token prediction there."""
+    d = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+    return with_rules(d, cfg)
+
+
+def with_rules(d, cfg: TrainConfig):
+    """d with cfg's first_draft / anchor_attention where cfg names them (DrafterConfig validates both)."""
+    over = {k: getattr(cfg, k) for k in ("first_draft", "anchor_attention") if getattr(cfg, k)}
+    if over:
+        d.cfg = replace(d.cfg, **over)
+    return d
 
 
 def is_holdout(key: str, pct: float) -> bool:
@@ -293,8 +311,9 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             raise ValueError(f"cannot fine-tune a {init.cfg.kind} drafter as {cfg.kind}")
         drafter = build_drafter(init.cfg, bundle.target.shared).to(device=bundle.target.device, dtype=bundle.target.dtype)
         drafter.load_state_dict({k: v.to(bundle.target.dtype) for k, v in init.state_dict().items()})
+        drafter = with_rules(drafter, cfg)
     else:
-        drafter = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+        drafter = fresh_drafter(bundle, cfg)
     if teacher is not None:
         if cfg.kind != "d3d" or teacher.cfg.kind != "d3d":
             raise ValueError("distillation from a teacher drafter is implemented for D3D drafters")
