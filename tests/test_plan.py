@@ -67,6 +67,33 @@ def test_cost_model_from_the_shipped_breakdown():
     assert CostModel.from_breakdown(costs, 64).widths == two.widths  # the closest thread count measured
 
 
+def test_draft_cost_scales_with_the_drafters_active_layers():
+    """A pruned (or deeper) D3D drafter is charged for the layers it runs; the head's share stays fixed."""
+    costs = shipped_costs("smollm2-135m")
+    two = CostModel.from_breakdown(costs, 2)
+    n = costs["d3d_active_layers"]
+    full = two.draft_cost("d3d")
+    assert two.draft_cost("d3d", n) == pytest.approx(full)
+    assert 0 < two.draft_cost("d3d", n // 2) < 0.6 * full and two.draft_cost("d3d", 2 * n) > 1.9 * full
+    assert two.draft_cost("dflash", 1) == two.draft_cost("dflash")  # no layer count measured for it: unscaled
+    assert CostModel().draft_cost("d3d", 4) == 0.0  # the flat model: drafts free at any depth
+    broken = dict(costs, d3d_active_layers="eight")
+    assert CostModel.from_breakdown(broken, 2).draft_cost("d3d", 2) == full
+
+
+def test_the_engine_charges_a_pruned_drafter_less(smollm):
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import D3DSeqMode, Run
+    from d3d_core.decoding.timing import Lanes, Recorder
+
+    dev = smollm.target.device
+    run = Run(smollm.target, DecodeConfig(mode="d3d-seq"), Lanes(dev, False), Recorder(dev),
+              CostModel.from_breakdown(shipped_costs("smollm2-135m"), 2))
+    full = D3DSeqMode(run, smollm.drafter("d3d")).draft_cost()
+    pruned = D3DSeqMode(run, smollm.drafter("d3d").pruned([0, 1, 2, 3])).draft_cost()
+    assert 0 < pruned < 0.6 * full
+
+
 @pytest.mark.parametrize("bad", [None, {}, {"rows": "x"}, {"rows": [{"forward": "verify(4)", "threads": 2, "per_step": 1.2}]},
                                  {"rows": [1, None, {"threads": "a"}]}, {"rows": [{"forward": "verify(2)", "threads": 2, "per_step": "x"}]}])
 def test_unusable_breakdowns_give_the_flat_model(bad):

@@ -402,7 +402,11 @@ class Mode:
 
     def draft_cost(self) -> float:
         """What drafting a block costs in target steps, as the verify plan counts it (its round's fixed cost)."""
-        return self.run.costs.draft_cost(self.drafter_kind)
+        return self.run.costs.draft_cost(self.drafter_kind, self._layers())
+
+    def _layers(self) -> Optional[int]:
+        """Active layers of the D3D drafter that runs (pruned or deeper than the measured one); None otherwise."""
+        return len(self.drafter.active_layers()) if self.drafter_kind == "d3d" and self.drafter is not None else None
 
     def _timed_draft(self, kind: str, rnd: int, fn):
         with self.run.lanes.drafter_ctx(), self.run.rec.span("drafter", kind, rnd):
@@ -476,7 +480,7 @@ class D3DAsyncMode(Mode):
     def draft_cost(self):
         """A block costs a synchronous draft only after a miss: the draft cost times the miss rate so
         far (even odds before the first verdict). Counted from the trace's own rounds: deterministic."""
-        return self.run.costs.draft_cost("d3d") * (1.0 - (self.hits + 1) / (self.rounds + 2))
+        return self.run.costs.draft_cost("d3d", self._layers()) * (1.0 - (self.hits + 1) / (self.rounds + 2))
 
     def start_prefill(self, prompt_ids):
         def work():  # needs nothing from the target, so it runs while the target prefills

@@ -41,6 +41,7 @@ class CostModel:
     draft: tuple = ()  # ((kind, draft / step), ...) for "d3d" and "dflash"
     source: str = "flat: every verify width costs one step (no cost breakdown for this bundle)"
     step_ms: tuple = ()  # ((threads, ms of one step), ...) for every thread count the breakdown measured
+    draft_layers: tuple = ()  # ((kind, active layers of the drafter measured, share of its draft that is the head), ...)
 
     def step_speedup(self, threads: int, solo: int) -> float:
         """How many times faster a step runs on ``solo`` threads than on ``threads`` (1 when unmeasured): what a
@@ -61,8 +62,16 @@ class CostModel:
             return v[-1] + slope * (k - w[-1])
         return v[-1]
 
-    def draft_cost(self, kind: Optional[str]) -> float:
-        return dict(self.draft).get(kind, 0.0) if kind else 0.0
+    def draft_cost(self, kind: Optional[str], layers: Optional[int] = None) -> float:
+        """A draft of ``kind`` in steps. With ``layers`` (the drafter that runs: pruned, or deeper than the one the
+        breakdown measured) the measured cost scales with its active layers, the head's share held fixed: every
+        per-layer part (GEMMs, attention, norms) grows with depth, the head does not."""
+        cost = dict(self.draft).get(kind, 0.0) if kind else 0.0
+        shape = {k: (n, head) for k, n, head in self.draft_layers}
+        if not cost or layers is None or kind not in shape:
+            return cost
+        n, head = shape[kind]
+        return cost * (head + (1.0 - head) * layers / n)
 
     def table(self, B: int) -> list:
         """[verify(1), ..., verify(B)] in steps (what the trace records and the app shows)."""
@@ -91,12 +100,19 @@ class CostModel:
         widths = tuple(sorted(ver))
         verify = monotone([max(1.0, ver[w]) for w in widths])  # a verify does a step's work and more: never under 1
         draft = tuple((kind, per[f"{kind} draft(8)"]) for kind in ("d3d", "dflash") if f"{kind} draft(8)" in per)
+        layers = ()
+        n_d3d = costs.get("d3d_active_layers")
+        d3d_row = next((r for r in rows if r["threads"] == t and r.get("forward") == "d3d draft(8)"), None)
+        if isinstance(n_d3d, int) and n_d3d > 0 and d3d_row is not None:
+            parts = d3d_row.get("parts") if isinstance(d3d_row.get("parts"), dict) else {}
+            head = parts.get("lm_head", {}).get("share") if isinstance(parts.get("lm_head"), dict) else None
+            layers = (("d3d", n_d3d, float(head) if isinstance(head, (int, float)) and 0 <= head <= 1 else 0.0),)
         info = costs.get("machine_info")
         cpu = (info.get("cpu") if isinstance(info, dict) else None) or "an unnamed CPU"
         src = f"cost breakdown measured on {cpu} at {t} thread(s), context {costs.get('ctx_len', '?')} tokens"
         steps = tuple(sorted((r["threads"], float(r["wall_ms"])) for r in rows if r.get("forward") == "step"
                              and isinstance(r.get("wall_ms"), (int, float)) and r["wall_ms"] > 0))
-        return cls(widths, tuple(verify), draft, src, steps)
+        return cls(widths, tuple(verify), draft, src, steps, layers)
 
 
 def monotone(costs: Sequence[float]) -> list:
