@@ -9,6 +9,7 @@ new one is written, so their number stays bounded however long the server runs."
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -70,8 +71,16 @@ def _temp_usage() -> tuple:
     d = _TEMP
     if d is None or not d.is_dir():
         return 0, 0
-    files = [f for f in d.iterdir() if f.is_file()]
-    return len(files), sum(f.stat().st_size for f in files)
+    n = size = 0
+    for f in d.iterdir():
+        try:
+            st = f.stat()
+        except OSError:  # swept (or replaced) between the listing and the stat: a visitor's export, not an error
+            continue
+        if stat.S_ISREG(st.st_mode):
+            n += 1
+            size += st.st_size
+    return n, size
 
 
 def queue_length(demo) -> Optional[int]:

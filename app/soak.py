@@ -191,7 +191,13 @@ def soak(cfg: SoakConfig, url: str, server: Optional[Server]) -> dict:
 
         proc = psutil.Process(server.proc.pid) if server else None
         while not stop.is_set():
-            h = health_c.predict(api_name="/health")
+            try:
+                h = health_c.predict(api_name="/health")
+            except Exception as e:  # the endpoint failed: an error of the soak's verdict, and sampling goes on
+                with lock:
+                    errors.append({"visitor": -1, "action": "health", "error": repr(e)[:300], "t": round(time.time() - t_start, 1)})
+                stop.wait(cfg.sample_every_s)
+                continue
             row = {"t": round(time.time() - t_start, 2), "races": len(races), "queue": h.get("queue_length"),
                    "rss_mib": h["rss_mib"], "threads": h["threads"], "fds": h["open_fds"], "app_temp_files": h["temp_files"]}
             if proc is not None:

@@ -50,3 +50,27 @@ def test_health_endpoint_answers_outside_the_queue(app_server):
     from app.health import line
 
     assert "races served" in line(h) and "queue" in line(h)
+
+
+def test_health_counts_temp_files_that_vanish_while_it_counts(tmp_path, monkeypatch):
+    """A visitor's export can be swept between the listing and the stat: /health must count around it, not fail
+    (a 200-race soak once lost its health sampler to exactly that FileNotFoundError)."""
+    from pathlib import Path
+
+    from app import health
+
+    (tmp_path / "kept.json").write_text("x" * 10)
+    (tmp_path / "gone.json").write_text("y")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.setattr(health, "_TEMP", tmp_path)
+    real_stat = Path.stat
+
+    def stat(self, *a, **k):
+        if self.name == "gone.json":
+            raise FileNotFoundError(self)
+        return real_stat(self, *a, **k)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    assert health._temp_usage() == (1, 10)
+    snap = health.snapshot()
+    assert snap["status"] == "ok" and snap["temp_files"] == 1 and snap["temp_bytes"] == 10

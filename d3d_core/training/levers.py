@@ -45,6 +45,9 @@ RECIPES = {
     "short-anchor": dict(anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor"),
     "deep16-anchor": dict(layers=16, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor", anchor_attention="causal"),
     "deep30-anchor": dict(layers=30, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor", anchor_attention="causal"),
+    # the same at a tenth of the learning rate: does keeping the anchor slot near the target (draft 1 exact) pay?
+    "deep30-anchor-slow": dict(layers=30, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor",
+                               anchor_attention="causal", lr=3e-5),
 }
 
 
