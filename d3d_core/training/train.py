@@ -78,8 +78,8 @@ PRESETS = {
 
 def fresh_drafter(bundle, cfg: TrainConfig):
     """An untrained drafter for cfg: cfg.layers target layers (evenly spaced; all of them at the target's
-    depth) and cfg.first_draft's slot for draft 1. A full-depth D3D drafter reading draft 1 at the anchor
-    slot starts out as the target's own next-token prediction there."""
+    depth), with cfg.first_draft and cfg.anchor_attention where cfg names them. A full-depth D3D drafter that
+    reads draft 1 at a causal anchor slot starts out as the target's own next-token prediction there."""
     d = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
     return with_rules(d, cfg)
 
