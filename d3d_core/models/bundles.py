@@ -162,11 +162,15 @@ def shipped_costs(name: str) -> dict:
     return asset_json("bench", f"{name}-costs.json") or {}
 
 
-def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8) -> DrafterConfig:
+def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8,
+                           adapter_rank: int = 0) -> DrafterConfig:
     L = target.num_layers
     if kind == "d3d":
         n = num_layers or spec.d3d_layers
-        return DrafterConfig(kind="d3d", arch=target.arch, num_layers=n, block_size=block_size, init_layers=evenly_spaced(n, 0, L - 1))
+        return DrafterConfig(kind="d3d", arch=target.arch, num_layers=n, block_size=block_size, init_layers=evenly_spaced(n, 0, L - 1),
+                             adapter_rank=adapter_rank)
+    if adapter_rank:
+        raise ValueError("adapter_rank applies to D3D drafters only")
     if kind == "dflash":
         n = num_layers or spec.dflash_layers
         feats = evenly_spaced(spec.dflash_features, 1, max(1, L - 3))
@@ -177,9 +181,11 @@ def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_laye
     raise ValueError(f"unknown drafter kind {kind!r}")
 
 
-def init_drafter(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8, seed: int = 0):
-    """An untrained drafter: layers copied from the target, mask embedding = mean token embedding."""
-    cfg = default_drafter_config(kind, target, spec, num_layers, block_size)
+def init_drafter(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8, seed: int = 0,
+                 adapter_rank: int = 0):
+    """An untrained drafter: layers copied from the target, mask embedding = mean token embedding
+    (with adapter_rank > 0, D3D: frozen target layers plus zero-output MASK-slot adapters)."""
+    cfg = default_drafter_config(kind, target, spec, num_layers, block_size, adapter_rank)
     torch.manual_seed(seed)
     d = build_drafter(cfg, target.shared).to(dtype=target.dtype)
     d.init_from_target(target.layers, target.final_norm)

@@ -101,6 +101,12 @@ class DrafterConfig:
     # the shipped drafters); "causal" = the context prefix and itself only, so in a full-depth target-initialised
     # drafter the anchor slot computes exactly the target's next-token prediction (issue #15, lever 5)
     anchor_attention: str = "block"
+    # 0: every drafter weight is its own (the shipped drafters). r > 0 (D3D): the layers are frozen copies of the target's
+    # layers init_layers, rebuilt from the target at load time and never saved, and each layer adds a rank-r residual
+    # adapter (RowAdapter) on the MASK slots' rows only. Context and anchor rows then compute exactly what the target
+    # computes, so with a causal anchor slot at full depth draft 1 stays the target's token however training goes
+    # (issue #15, "protect the anchor path"), and the saved drafter is the adapters alone
+    adapter_rank: int = 0
 
     def __post_init__(self):
         if self.anchor_attention not in ANCHOR_ATTENTION_RULES:
@@ -112,6 +118,10 @@ class DrafterConfig:
             raise ValueError(f"drafter config: first_draft must be one of {', '.join(FIRST_DRAFT_RULES)}, got {self.first_draft!r}")
         if self.first_draft == "anchor" and self.kind != "d3d":
             raise ValueError("drafter config: first_draft='anchor' needs a D3D drafter (its anchor slot has a context stream behind it)")
+        if self.adapter_rank < 0:
+            raise ValueError(f"drafter config: adapter_rank must be >= 0, got {self.adapter_rank}")
+        if self.adapter_rank and self.kind != "d3d":
+            raise ValueError("drafter config: adapter_rank applies to D3D drafters only (their MASK slots carry the adapters)")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -234,21 +244,47 @@ class MLP(nn.Module):
         return fastops.linear(self.down_proj, F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer, HF parameter names (input_layernorm, self_attn, ...)."""
+class RowAdapter(nn.Module):
+    """Rank-r residual adapter up(silu(down(x))), added to a sublayer's output on chosen rows only.
+    ``up`` starts at zero, so a fresh adapter changes nothing."""
 
-    def __init__(self, a: ArchConfig):
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+        nn.init.normal_(self.down.weight, std=dim**-0.5)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x, rows):
+        """x: (1, N, H) sublayer input; rows: (1, N, 1) 0/1 -> (1, N, H), zero outside rows."""
+        return rows * self.up(F.silu(self.down(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer, HF parameter names (input_layernorm, self_attn, ...). With adapter_rank > 0
+    it adds RowAdapters beside attention and MLP, applied where ``rows`` is 1 (DrafterConfig.adapter_rank)."""
+
+    def __init__(self, a: ArchConfig, adapter_rank: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
+        if adapter_rank:
+            self.adapter_attn = RowAdapter(a.hidden_size, adapter_rank)
+            self.adapter_mlp = RowAdapter(a.hidden_size, adapter_rank)
 
-    def forward(self, x, cos, sin, past, mask):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+    def forward(self, x, cos, sin, past, mask, rows=None):
+        hx = self.input_layernorm(x)
+        h, kv = self.self_attn(hx, cos, sin, past, mask)
+        if rows is not None:
+            h = h + self.adapter_attn(hx, rows)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
+        hx = self.post_attention_layernorm(x)
+        h = self.mlp(hx)
+        if rows is not None:
+            h = h + self.adapter_mlp(hx, rows)
+        return x + h, kv
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -326,10 +362,14 @@ class CachedKV:
 class SharedParts:
     """The target's frozen parts a drafter borrows (never saved with the drafter)."""
 
-    def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module, rotary_emb: nn.Module):
+    def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module, rotary_emb: nn.Module,
+                 target_layers: Optional[nn.ModuleList] = None, final_norm: Optional[nn.Module] = None):
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb
+        # the target's decoder layers and final norm: what an adapter drafter's frozen base is rebuilt from
+        self.target_layers = target_layers
+        self.final_norm = final_norm
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """positions: (N,) long -> cos, sin: (1, N, hd). Under autograd the rotary embedding runs
@@ -355,18 +395,46 @@ class _DrafterBase(nn.Module):
         super().__init__()
         self.cfg = cfg
         a = cfg.arch
-        self.layers = nn.ModuleList([DecoderLayer(a) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(a, cfg.adapter_rank) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # stored outside the module tree so state_dict() / parameters() hold only our weights
         object.__setattr__(self, "shared", shared)
         self.skip = set(cfg.skip_layers)
+        for n, p in self.named_parameters():  # an adapter drafter's base is the target's: frozen from the start
+            p.requires_grad_(self.is_own(n))
 
     # ---- weights
     def init_from_target(self, target_layers: nn.ModuleList, final_norm: nn.Module):
         """Copy target layers cfg.init_layers[i] -> drafter layer i (and the final norm)."""
         for i, src in enumerate(self.cfg.init_layers):
-            self.layers[i].load_state_dict(target_layers[src].state_dict())
+            missing, unexpected = self.layers[i].load_state_dict(target_layers[src].state_dict(), strict=False)
+            if unexpected or any(".adapter_" not in "." + k for k in missing):  # only an adapter is not the target's
+                raise RuntimeError(f"target layer {src} does not fit drafter layer {i}: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.norm.load_state_dict(final_norm.state_dict())
+
+    @property
+    def frozen_base(self) -> bool:
+        """True for an adapter drafter: its layers and final norm are the target's, frozen and never saved."""
+        return self.cfg.adapter_rank > 0
+
+    def is_own(self, name: str) -> bool:
+        """Whether parameter ``name`` is the drafter's own (trained and saved): all of them, or for an
+        adapter drafter the adapters and the mask embedding."""
+        return not self.frozen_base or ".adapter_" in name or not (name.startswith("layers.") or name.startswith("norm."))
+
+    def own_state_dict(self) -> dict:
+        return {k: v for k, v in self.state_dict().items() if self.is_own(k)}
+
+    def own_parameters(self) -> list:
+        return [p for n, p in self.named_parameters() if self.is_own(n)]
+
+    def load_own_state(self, sd: dict) -> None:
+        """Load exactly the own parameters (strict: a missing or unexpected one raises RuntimeError)."""
+        own = set(self.own_state_dict())
+        missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        self.load_state_dict(sd, strict=False)
 
     def set_skip_layers(self, skip) -> None:
         skip = tuple(sorted(set(int(s) for s in skip)))
@@ -468,7 +536,7 @@ class _DrafterBase(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in self.state_dict().items()}
+        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in self.own_state_dict().items()}
         save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt", "kind": self.cfg.kind})
         (path / "config.json").write_text(json.dumps(self.cfg.to_json(), indent=2))
 
@@ -496,14 +564,18 @@ class D3DDrafter(_DrafterBase):
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.arch.hidden_size))
         # decoding runs the MLPs and the shortlist head (owner: self) in int8 where it can (fastops): a draft
         # only proposes, so outputs cannot change; the attention projections stay fp32
-        fastops.mark_int8(self, *(layer.mlp for layer in self.layers), *(layer.mlp.down_proj for layer in self.layers))
+        # (not an adapter drafter: its base must compute exactly the target's values at the anchor slot)
+        if not cfg.adapter_rank:
+            fastops.mark_int8(self, *(layer.mlp for layer in self.layers), *(layer.mlp.down_proj for layer in self.layers))
 
-    def build_inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int):
+    def build_inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int, cache_prefix: bool = False):
         """Embeddings, positions and the 4-D additive mask for one packed forward.
 
         ctx_ids: (C,) tokens at positions cache_len .. cache_len+C-1.
         blocks: list of (anchor_id, n_visible): the block's anchor sits right after the
         first n_visible context tokens, i.e. at position cache_len + n_visible.
+        cache_prefix (training, C = 0): n_visible counts cached positions instead, so the block sits at
+        position n_visible and sees only cache[:n_visible] (a cache filled once with a whole sequence).
         Returns x (1, N, H), positions (N,), mask (1, 1, N, T+N) with N = C + len(blocks)*L.
         """
         dev = self.device
@@ -511,6 +583,8 @@ class D3DDrafter(_DrafterBase):
         nb = len(blocks)
         N = C + nb * L
         causal_anchor = self.cfg.anchor_attention == "causal"
+        if cache_prefix and C:
+            raise ValueError("cache_prefix packs blocks over the cache alone (no context tokens)")
         parts = [self.shared.embed_tokens(ctx_ids.to(dev))] if C else []
         if nb:
             parts.append(self.block_embeddings([b[0] for b in blocks], L))
@@ -519,19 +593,23 @@ class D3DDrafter(_DrafterBase):
         pos = torch.empty(N, dtype=torch.long)
         pos[:C] = torch.arange(T, T + C)
         allowed = torch.zeros(N, T + N, dtype=torch.bool)
-        allowed[:, :T] = True  # everyone sees the committed cache
+        allowed[:, :T] = not cache_prefix  # everyone sees the committed cache (its prefix, with cache_prefix)
         allowed[:C, T : T + C] = torch.tril(torch.ones(C, C, dtype=torch.bool))  # causal context
         for b, (_, n_vis) in enumerate(blocks):
             r = C + b * L
-            pos[r : r + L] = torch.arange(T + n_vis, T + n_vis + L)
-            allowed[r : r + L, T : T + n_vis] = True  # context prefix up to the anchor
+            start = n_vis if cache_prefix else T + n_vis
+            pos[r : r + L] = torch.arange(start, start + L)
+            if cache_prefix:
+                allowed[r : r + L, :n_vis] = True  # the cached prefix up to the anchor
+            else:
+                allowed[r : r + L, T : T + n_vis] = True  # context prefix up to the anchor
             allowed[r : r + L, T + r : T + r + L] = True  # bidirectional inside the block
             if causal_anchor:
                 allowed[r, T + r + 1 : T + r + L] = False  # the anchor slot sees the prefix and itself only
         return x, pos.to(dev), additive_mask(allowed, self.dtype, dev)
 
-    def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int):
-        """Run context + blocks in one forward.
+    def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int, cache_prefix: bool = False):
+        """Run context + blocks in one forward (``cache_prefix``: see ``build_inputs``).
 
         Returns (h_ctx (C, H), h_blocks (nb, L, H), new_kv) where new_kv[i] = (k, v) of the
         context tokens for layer i, (1, nkv, C, hd) — commit a prefix with ``commit_kv``.
@@ -539,11 +617,16 @@ class D3DDrafter(_DrafterBase):
         """
         T = len(cache)
         C = ctx_ids.shape[0]
-        x, pos, mask = self.build_inputs(T, ctx_ids, blocks, block_len)
+        x, pos, mask = self.build_inputs(T, ctx_ids, blocks, block_len, cache_prefix)
         cos, sin = self.shared.rope(pos, x)
+        rows = None
+        if self.frozen_base:  # the adapters act on MASK slots: every block row but its anchor
+            m = torch.zeros(len(blocks), block_len, 1, dtype=x.dtype, device=x.device)
+            m[:, 1:] = 1
+            rows = torch.cat([x.new_zeros(C, 1), m.reshape(-1, 1)])[None]  # (1, N, 1)
         new_kv = [None] * self.cfg.num_layers
         for i in self.active_layers():
-            x, (k, v) = self.layers[i](x, cos, sin, cache.get(i), mask)
+            x, (k, v) = self.layers[i](x, cos, sin, cache.get(i), mask, rows)
             new_kv[i] = (k[:, :, :C], v[:, :, :C])
         h = x[0]
         return h[:C], h[C:].view(len(blocks), block_len, h.shape[-1]), new_kv
@@ -647,17 +730,22 @@ def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtyp
     if cfg.arch != arch:
         raise ValueError(f"drafter at {path} was built for a different target shape ({cfg.arch}) than this bundle's ({arch})")
     model = build_drafter(cfg, shared)
+    if model.frozen_base:
+        if shared.target_layers is None or len(shared.target_layers) <= max(cfg.init_layers, default=-1):
+            raise ValueError(f"drafter at {path} is an adapter drafter: it needs its target's layers {list(cfg.init_layers)}")
+        model.init_from_target(shared.target_layers, shared.final_norm)
     try:
         sd = load_file(str(w_file))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"drafter weights {w_file} are unreadable (truncated or not safetensors): {e}") from e
     try:
-        model.load_state_dict(sd, strict=True)
+        model.load_own_state(sd)
     except RuntimeError as e:
         raise ValueError(f"drafter weights {w_file} do not match its config: {str(e)[:400]}") from e
     return model.to(device=device, dtype=dtype).eval()
 
 
 def describe(m: _DrafterBase) -> str:
-    n = sum(p.numel() for p in m.parameters())
-    return f"{m.cfg.kind} drafter: {m.cfg.num_layers} layers ({len(m.active_layers())} active), {n / 1e6:.1f}M own params"
+    n = sum(p.numel() for p in m.own_parameters())
+    base = f", rank-{m.cfg.adapter_rank} adapters on the target's layers" if m.frozen_base else ""
+    return f"{m.cfg.kind} drafter: {m.cfg.num_layers} layers ({len(m.active_layers())} active){base}, {n / 1e6:.1f}M own params"

@@ -90,7 +90,7 @@ class Target:
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = base.layers
         self.final_norm = base.norm
-        self.shared = SharedParts(model.get_input_embeddings(), model.get_output_embeddings(), base.rotary_emb)
+        self.shared = SharedParts(model.get_input_embeddings(), model.get_output_embeddings(), base.rotary_emb, base.layers, base.norm)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 4096))
         self._row_plan, self.row_plan_info = None, {}  # fixed by row_plan() before the first fast forward
 

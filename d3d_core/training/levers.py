@@ -48,6 +48,10 @@ RECIPES = {
     # the same at a tenth of the learning rate: does keeping the anchor slot near the target (draft 1 exact) pay?
     "deep30-anchor-slow": dict(layers=30, anchors=16, ar_positions=64, head_shortlist=8192, first_draft="anchor",
                                anchor_attention="causal", lr=3e-5),
+    # the anchor path protected by construction: frozen target layers, trained rank-64 adapters on the MASK slots only
+    # (DrafterConfig.adapter_rank), so draft 1 stays the target's token; no AR term (nothing trainable acts on the context)
+    "deep30-adapter": dict(layers=30, anchors=16, head_shortlist=8192, first_draft="anchor", anchor_attention="causal",
+                           adapter_rank=64, ar_lambda=0.0, lr=1e-3),
 }
 
 

@@ -66,6 +66,7 @@ class TrainConfig:
     kd_alpha: float = 0.0  # α: mix KL(teacher ‖ drafter) into the block loss (healing from the unpruned drafter)
     first_draft: str = ""  # "mask" | "anchor": the slot draft 1 is read (and trained) at; "" keeps the drafter's own (mask when fresh)
     anchor_attention: str = ""  # "block" | "causal" (DrafterConfig.anchor_attention); "" keeps the drafter's own (block when fresh)
+    adapter_rank: int = 0  # fresh D3D drafter only: > 0 = frozen target layers + rank-r MASK-slot adapters (DrafterConfig.adapter_rank)
 
 
 PRESETS = {
@@ -80,7 +81,8 @@ def fresh_drafter(bundle, cfg: TrainConfig):
     """An untrained drafter for cfg: cfg.layers target layers (evenly spaced; all of them at the target's
     depth), with cfg.first_draft and cfg.anchor_attention where cfg names them. A full-depth D3D drafter that
     reads draft 1 at a causal anchor slot starts out as the target's own next-token prediction there."""
-    d = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed)
+    d = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed,
+                     adapter_rank=cfg.adapter_rank)
     return with_rules(d, cfg)
 
 
@@ -160,7 +162,17 @@ def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: Trai
     ids = seq.ids
     B = cfg.block_size
     ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
-    h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, [(ids[p], p) for p in anchors], B + 1)
+    blocks = [(ids[p], p) for p in anchors]
+    if drafter.frozen_base:
+        # nothing trainable acts on the context rows: run them once without autograd, then backpropagate through
+        # the blocks alone, each over its prefix of that cache (the same values as the packed forward; tested)
+        cache = drafter.new_cache()
+        with torch.no_grad():
+            h_ctx, _, kv = drafter.forward_packed(cache, ctx, [], B + 1)
+        drafter.commit_kv(cache, kv, len(ids))
+        _, hb, _ = drafter.forward_packed(cache, ctx[:0], blocks, B + 1, cache_prefix=True)
+    else:
+        h_ctx, hb, _ = drafter.forward_packed(drafter.new_cache(), ctx, blocks, B + 1)
     hb = drafter.draft_rows(hb)  # (nb, B, H): predicts p+1 .. p+B (draft 1 from the slot the drafter's rule names)
     tgt = block_targets(ids, anchors, B)  # (nb, B)
     w = block_position_weights(tgt, cfg.gamma).reshape(-1)
@@ -238,7 +250,7 @@ def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, histor
 
     tmp = out / "ckpt.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    save_file({k: v.detach().float().contiguous() for k, v in drafter.own_state_dict().items()}, str(tmp / "drafter.safetensors"))
     names = {id(p): n for n, p in drafter.named_parameters()}
     moments, steps = {}, {}
     for group in opt.param_groups:
@@ -270,7 +282,7 @@ def load_checkpoint(out: Path, drafter, opt) -> tuple:
     if not (d / "state.json").is_file():
         return 0, [], {}
     st = json.loads((d / "state.json").read_text())
-    drafter.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    drafter.load_own_state(load_file(str(d / "drafter.safetensors")))
     moments = load_file(str(d / "optimizer.safetensors"))
     params = dict(drafter.named_parameters())
     for n, s in st["adam_steps"].items():
@@ -320,10 +332,15 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+    if init is not None and cfg.adapter_rank and cfg.adapter_rank != drafter.cfg.adapter_rank:
+        raise ValueError(f"adapter_rank {cfg.adapter_rank} applies to a fresh drafter; the init drafter has {drafter.cfg.adapter_rank}")
     drafter.train()
+    own = drafter.own_parameters()  # an adapter drafter trains its adapters and mask embedding only
     for p in drafter.parameters():
+        p.requires_grad_(False)
+    for p in own:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(own, lr=cfg.lr, weight_decay=cfg.weight_decay)
     start, history, state = load_checkpoint(out, drafter, opt)
     train_ex, held = split_holdout(examples, cfg.max_len, cfg.holdout_pct)
     head_rows = state.get("head_rows") or (head_shortlist(train_ex, cfg.head_shortlist) if cfg.head_shortlist else None)
@@ -373,7 +390,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             bl += b / cfg.accum
             arl += a / cfg.accum
             tokens_seen += len(anchors) * cfg.block_size
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(own, 1.0)
         opt.step()
         loss_ema = tot if loss_ema is None else 0.95 * loss_ema + 0.05 * tot
         bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{bl:.3f}", ar=f"{arl:.3f}", tau=f"{history[-1]['offline_tau']:.2f}")

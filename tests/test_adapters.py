@@ -1,0 +1,105 @@
+"""Adapter drafters (DrafterConfig.adapter_rank): frozen target layers + MASK-slot adapters, on the toy bundle."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from d3d_core.decoding.config import DecodeConfig
+from d3d_core.decoding.engine import decode
+from d3d_core.models import fastops
+from d3d_core.models.bundles import BUNDLES, init_drafter
+from d3d_core.models.drafters import DrafterConfig, SharedParts, load_drafter
+from d3d_core.training.offline_tau import greedy_continuations, offline_tau
+from d3d_core.training.train import PRESETS, train
+
+PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
+
+
+@pytest.fixture(scope="module")
+def examples(toy):
+    seqs = greedy_continuations(toy, PROMPTS, 40)
+    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+
+
+def adapter_cfg(toy, **over):
+    base = dict(layers=toy.target.num_layers, adapter_rank=4, first_draft="anchor", anchor_attention="causal", ar_lambda=0.0, lr=3e-2,
+                steps=6, ckpt_every=2, eval_every=6)
+    return replace(PRESETS["toy"], **{**base, **over})
+
+
+def test_cache_prefix_blocks_equal_the_packed_forward(toy):
+    """Blocks run over a cache filled once with the whole sequence (cache_prefix) see exactly what the packed
+    forward shows them: the same hidden states, for a plain and for an adapter drafter."""
+    torch.manual_seed(0)
+    ids = torch.tensor(greedy_continuations(toy, PROMPTS[:1], 20)[0].ids)
+    plain = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=2, block_size=4)
+    ad = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=toy.target.num_layers, block_size=4, adapter_rank=4)
+    with torch.no_grad():
+        for p in ad.own_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    for d in (plain, ad):
+        blocks = [(int(ids[p]), p) for p in (3, 9, len(ids) - 2)]
+        with torch.no_grad(), fastops.exact_drafters():  # fp32 MLPs, as in training
+            _, packed, _ = d.forward_packed(d.new_cache(), ids, blocks, 5)
+            cache = d.new_cache()
+            _, _, kv = d.forward_packed(cache, ids, [], 5)
+            d.commit_kv(cache, kv, len(ids))
+            _, split, _ = d.forward_packed(cache, ids[:0], blocks, 5, cache_prefix=True)
+        torch.testing.assert_close(split, packed, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cache_prefix"):
+        plain.forward_packed(plain.new_cache(), ids, blocks, 5, cache_prefix=True)
+
+
+def test_adapter_drafter_trains_only_its_adapters_keeps_draft_one_exact_and_stays_lossless(toy, examples, tmp_path):
+    """A full-depth adapter drafter with a causal anchor slot: training moves the adapters and the mask embedding
+    only, the saved file holds nothing else, it reloads from the target's layers, draft 1 is still the target's
+    token at every anchor, and both D3D modes emit exactly ar's tokens."""
+    res = train(toy, examples, adapter_cfg(toy), tmp_path / "ad", progress=False)
+    saved = load_file(str(tmp_path / "ad" / "final" / "model.safetensors"))
+    assert saved and all(".adapter_" in k or k == "mask_embedding" for k in saved)
+    d = load_drafter(res["out"], toy.target.shared, toy.target.arch)
+    assert d.cfg.adapter_rank == 4 and d.frozen_base
+    assert any(float(d.layers[i].adapter_mlp.up.weight.detach().abs().max()) > 0 for i in range(d.cfg.num_layers))  # it trained
+    for mine, theirs in zip(d.layers, toy.target.layers):  # the base is the target's, untouched
+        torch.testing.assert_close(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight, atol=0, rtol=0)
+    seqs = greedy_continuations(toy, PROMPTS[:3], 24)
+    assert offline_tau(d, seqs, B=2, stride=1) == 2.0
+    fresh = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=toy.target.num_layers, block_size=4, adapter_rank=4)
+    fresh.cfg = replace(fresh.cfg, first_draft="anchor", anchor_attention="causal")
+    with torch.no_grad():  # the adapters change what the MASK slots draft
+        ids = torch.tensor(seqs[0].ids)
+        a = d.forward_packed(d.new_cache(), ids, [(int(ids[5]), 5)], 5)[1]
+        b = fresh.forward_packed(fresh.new_cache(), ids, [(int(ids[5]), 5)], 5)[1]
+    assert torch.equal(a[0, 0], b[0, 0]) and not torch.allclose(a[0, 1:], b[0, 1:])
+    ref = decode(toy, PROMPTS[1], DecodeConfig(mode="ar", max_new_tokens=30))
+    for mode in ("d3d-seq", "d3d-async"):
+        for B in (2, 6):
+            tr = decode(toy, PROMPTS[1], DecodeConfig(mode=mode, max_new_tokens=30, block_size=B, drafting="always"), drafter=d)
+            assert tr.output_ids == ref.output_ids, (mode, B)
+
+
+def test_adapter_training_resumes_bit_exactly(toy, examples, tmp_path):
+    cfg = adapter_cfg(toy, steps=4, eval_every=4)
+    train(toy, examples, cfg, tmp_path / "once", progress=False)
+    assert train(toy, examples, cfg, tmp_path / "twice", progress=False, stop_after=2)["stopped_at"] == 2
+    train(toy, examples, cfg, tmp_path / "twice", progress=False)
+    one, two = (load_file(str(tmp_path / r / "final" / "model.safetensors")) for r in ("once", "twice"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_adapter_config_is_validated_and_needs_the_target(toy, tmp_path):
+    d = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=2, block_size=4, adapter_rank=2)
+    with pytest.raises(ValueError, match="adapter_rank"):
+        DrafterConfig.from_json({**d.cfg.to_json(), "adapter_rank": -1})
+    with pytest.raises(ValueError, match="D3D"):
+        replace(toy.drafter("dflash").cfg, adapter_rank=4)
+    assert DrafterConfig.from_json({k: v for k, v in d.cfg.to_json().items() if k != "adapter_rank"}).adapter_rank == 0
+    d.save(tmp_path / "d")
+    s = toy.target.shared
+    bare = SharedParts(s.embed_tokens, s.lm_head, s.rotary_emb)  # no target layers to rebuild the base from
+    with pytest.raises(ValueError, match="adapter drafter"):
+        load_drafter(tmp_path / "d", bare, toy.target.arch)
+    with pytest.raises(ValueError, match="adapter_rank"):
+        train(toy, [], adapter_cfg(toy, adapter_rank=8), tmp_path / "x", progress=False, init=d)
