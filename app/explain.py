@@ -95,7 +95,7 @@ The D3D drafter needs **nothing from the target**: it keeps its own causal **con
 tokens, its own KV cache — also trained with an auxiliary next-token loss) and drafts blocks that attend
 to that context. The shipped drafter reads draft 1 from the **anchor's own slot** (its next-token output,
 the same weights the auxiliary loss trains, fine-tuned with draft 1 supervised there), which is right more often than
-the first MASK slot (38 % against 33 % on held-out prompts); drafts 2.. come from the MASK slots. On a CPU
+the first MASK slot (41 % against 33 % on 192 held-out prompts); drafts 2.. come from the MASK slots. On a CPU
 its MLPs and head run in **int8**: a draft only proposes and the target checks every token, so this cannot
 change the output; it makes a draft about 30 % cheaper for under 2 % of τ. Because it is independent, it can draft the *next* block **while** the target verifies
 this one. It does not yet know how many drafts will be accepted, so it drafts successor blocks for the

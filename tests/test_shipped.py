@@ -11,9 +11,10 @@ from d3d_core.training.offline_tau import calibration_set, offline_tau
 pytestmark = pytest.mark.slow
 
 # measured when the drafters were shipped (docs/RESULTS.md, training section), minus a margin for float
-# differences between machines: an untrained drafter scores ~1.0 here. D3D: 2.131 for the stop-19 fine-tune,
-# whose floor sits above the drafter it replaced (2.016), so a revert to the old weights fails
-TAU_FLOOR = {"d3d": 2.07, "dflash": 1.3}
+# differences between machines: an untrained drafter scores ~1.0 here. D3D: 2.292 for the stop-22 fine-tune on
+# the calibration set shipped with it, whose floor sits above the drafter it replaced (2.114 on the same set),
+# so a revert to the old weights fails
+TAU_FLOOR = {"d3d": 2.24, "dflash": 1.3}
 
 
 def test_assets_stay_small():
