@@ -11,7 +11,7 @@ from d3d_core.decoding.engine import decode
 from d3d_core.models import fastops
 from d3d_core.models.bundles import BUNDLES, init_drafter
 from d3d_core.models.drafters import DrafterConfig, SharedParts, load_drafter
-from d3d_core.training.offline_tau import greedy_continuations, offline_tau
+from d3d_core.training.offline_tau import greedy_continuations, load_any_drafter, offline_tau
 from d3d_core.training.train import PRESETS, train
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
@@ -84,6 +84,9 @@ def test_adapter_training_resumes_bit_exactly(toy, examples, tmp_path):
     cfg = adapter_cfg(toy, steps=4, eval_every=4)
     train(toy, examples, cfg, tmp_path / "once", progress=False)
     assert train(toy, examples, cfg, tmp_path / "twice", progress=False, stop_after=2)["stopped_at"] == 2
+    mid, step = load_any_drafter(tmp_path / "twice", toy)  # a checkpoint holds the adapters only; the base is rebuilt
+    assert step == 2 and mid.frozen_base
+    assert offline_tau(mid, greedy_continuations(toy, PROMPTS[:2], 16), B=2, stride=1) == 2.0
     train(toy, examples, cfg, tmp_path / "twice", progress=False)
     one, two = (load_file(str(tmp_path / r / "final" / "model.safetensors")) for r in ("once", "twice"))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
