@@ -412,6 +412,14 @@ class _DrafterBase(nn.Module):
                 raise RuntimeError(f"target layer {src} does not fit drafter layer {i}: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.norm.load_state_dict(final_norm.state_dict())
 
+    def rebuild_base(self) -> None:
+        """An adapter drafter's frozen base, copied from the target it borrows from (``shared``): layers
+        ``init_layers`` and the final norm. Its saved weights and checkpoints hold the adapters only."""
+        layers = self.shared.target_layers
+        if layers is None or len(layers) <= max(self.cfg.init_layers, default=-1):
+            raise ValueError(f"an adapter drafter needs its target's layers {list(self.cfg.init_layers)}")
+        self.init_from_target(layers, self.shared.final_norm)
+
     @property
     def frozen_base(self) -> bool:
         """True for an adapter drafter: its layers and final norm are the target's, frozen and never saved."""
@@ -731,9 +739,10 @@ def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtyp
         raise ValueError(f"drafter at {path} was built for a different target shape ({cfg.arch}) than this bundle's ({arch})")
     model = build_drafter(cfg, shared)
     if model.frozen_base:
-        if shared.target_layers is None or len(shared.target_layers) <= max(cfg.init_layers, default=-1):
-            raise ValueError(f"drafter at {path} is an adapter drafter: it needs its target's layers {list(cfg.init_layers)}")
-        model.init_from_target(shared.target_layers, shared.final_norm)
+        try:
+            model.rebuild_base()
+        except ValueError as e:
+            raise ValueError(f"drafter at {path}: {e}") from e
     try:
         sd = load_file(str(w_file))
     except (SafetensorError, OSError, RuntimeError) as e:

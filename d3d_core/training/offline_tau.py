@@ -220,7 +220,7 @@ def load_any_drafter(path, bundle):
         st = json.loads((p / "state.json").read_text())
         d = build_drafter(DrafterConfig.from_json(st["drafter"]), bundle.target.shared)
         if d.frozen_base:  # an adapter drafter's checkpoint holds its own weights only: the base is the target's
-            d.init_from_target(bundle.target.layers, bundle.target.final_norm)
+            d.rebuild_base()
         d.load_own_state(load_file(str(p / "drafter.safetensors")))
         return d.to(bundle.device, bundle.target.dtype).eval(), st["step"]
     return load_drafter(p, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype), None
