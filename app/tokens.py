@@ -18,6 +18,7 @@ CSS = """
 .d3d-col {font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13.5px; line-height: 1.9;
           border: 1px solid #ddd; border-radius: 8px; padding: 8px 10px; min-height: 120px; background: #fff; color: #222;}
 .d3d-head {font-family: system-ui, sans-serif; font-weight: 700; font-size: 15px; margin-bottom: 4px;}
+.d3d-drafter {font-family: system-ui, sans-serif; font-size: 11px; color: #555; margin: -2px 0 4px 0;}
 .d3d-stats {font-family: system-ui, sans-serif; font-size: 12.5px; color: #333; margin-bottom: 6px;
             display: grid; grid-template-columns: repeat(3, auto); gap: 2px 10px;}
 .d3d-stats b {font-variant-numeric: tabular-nums;}
@@ -140,6 +141,7 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
         foot = '<div class="d3d-done">running…</div>'
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
+        + (f'<div class="d3d-drafter">{html.escape(trace.drafter)}</div>' if trace.drafter else "") +
         f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
     )
 

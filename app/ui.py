@@ -123,7 +123,17 @@ def _rounds_view(state, mode, idx):
 # ----------------------------------------------------------------------------- handlers
 
 
-def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state):
+def d3d_picker(bundle):
+    """The Race tab's D3D-drafter choice for ``bundle``: shown only when it ships more than the default."""
+    try:
+        names = service.d3d_drafters(bundle)
+    except (ValueError, OSError):
+        names = {"d3d": "default"}
+    return gr.update(choices=[(lab, n) for n, lab in names.items()], value="d3d", visible=len(names) > 1)
+
+
+def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state,
+             d3d_drafter="d3d"):
     """Stream the race: columns after every round (throttled), plots at the end."""
     state = dict(state or empty_state())
     no = gr.skip()
@@ -149,10 +159,13 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         return
     skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
     note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
+    d3d_drafter = d3d_drafter or "d3d"
+    if d3d_drafter != "d3d":
+        note += f" with the `{d3d_drafter}` D3D drafter"
     last = 0.0
     started = time.perf_counter()
     timed_out = finished = False
-    gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel)
+    gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel, d3d_drafter=d3d_drafter)
     try:
         for mode, tr, done in gen:
             state["traces"][mode] = tr
@@ -429,6 +442,12 @@ def build_demo() -> gr.Blocks:
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
                                                       "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
+                        d3d_names = service.d3d_drafters(service.DEFAULT_BUNDLE)
+                        d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
+                                            label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
+                                            info="d3d-deep runs all of the target's layers (frozen) plus small trained adapters: its draft 1 is "
+                                                 "always the target's own token and τ is far higher, but each draft costs about one target step "
+                                                 "on this CPU, so the 8-layer default is faster per token — τ alone does not buy speed")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -549,7 +568,8 @@ def build_demo() -> gr.Blocks:
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
-            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state], race_outputs,
+            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick],
+            race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )
         run_ev = run_ev.then(race_views, [state], view_outputs, api_name="race_views")
@@ -586,6 +606,7 @@ def build_demo() -> gr.Blocks:
 
         bundle.change(on_bundle_bench, [bundle], [b_prov, b_table, b_check, b_ds, b_acc, b_sweep, b_cprov, b_costs, b_overlap], api_name=False)
         bundle.change(lambda b: gr.update(value=service.default_block(b)), [bundle], [block], api_name=False, queue=False)
+        bundle.change(d3d_picker, [bundle], [d3d_pick], api_name=False, queue=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],
                     api_name=False, queue=False)
     demo.queue(max_size=APP_QUEUE_MAX, default_concurrency_limit=APP_CONCURRENCY)

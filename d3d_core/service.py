@@ -17,7 +17,7 @@ from .decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_t
 from .limits import APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
-from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, get_bundle
+from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle
 from .schemas import AppSettings, checked
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
@@ -71,24 +71,55 @@ def bundle_summary(name: str) -> dict:
         "block_size": default_block(name),
         "engine": b.target.engine,
         "drafters": dict(b.drafter_info),
+        "d3d_drafters": d3d_drafters(name),
     }
+
+
+def d3d_drafters(bundle_name: str) -> dict:
+    """The bundle's D3D drafters a race may use: name -> a label for a picker, read from the shipped
+    configs (nothing is loaded). "d3d" is the default; further shipped ones (``assets/drafters/<bundle>/d3d-*``,
+    e.g. ``d3d-deep``) load on a race's first use."""
+    def label(name):
+        cfg = asset_json("drafters", bundle_name, name, "config.json") or {}
+        n, rank = cfg.get("num_layers"), cfg.get("adapter_rank", 0)
+        if not isinstance(n, int):
+            return "D3D drafter"
+        text = f"{n} layers"
+        if rank:
+            text += f", the target's own (frozen) + rank-{rank} adapters"
+        return text
+
+    out = {"d3d": f"default ({label('d3d')})"}
+    for name in extra_d3d_drafters(bundle_name):
+        out[name] = f"{name} ({label(name)})"
+    return out
 
 
 _WARM: set = set()
 _WARM_LOCK = threading.Lock()
 
 
-def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None) -> Iterator[tuple]:
+def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
+         d3d_drafter: str = "d3d") -> Iterator[tuple]:
     """Run the modes one after another (fair timings on a shared CPU) and stream
     (mode, trace, done) after every round. A cancel stops the current mode within a round
-    and skips the rest. ``skip_layers``: None races the bundle's default D3D drafter (which
-    may be a shipped pruned one); a list races the drafter with exactly those layers skipped."""
+    and skips the rest. ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the
+    D3D modes use. ``skip_layers``: None races that drafter as shipped (the default may be a shipped
+    pruned one); a list races it with exactly those layers skipped (the default drafter only)."""
     b = get_bundle(bundle_name)
+    names = ["d3d"] + [k for k in b.drafter_names() if k.startswith("d3d-")]
+    if d3d_drafter not in names:
+        raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
+    if skip_layers is not None and d3d_drafter != "d3d":
+        raise ValueError("the Pruning tab prunes the default D3D drafter: race it, or untick the pruned-drafter box")
+    d3d = b.drafter(d3d_drafter)
     with _WARM_LOCK:
         if bundle_name not in _WARM:
             warm_up(b)  # the first race of a process must not time the fast engine's weight packing
             _WARM.add(bundle_name)
-    d3d = b.drafter("d3d")
+        if (bundle_name, d3d_drafter) not in _WARM and d3d_drafter != "d3d":
+            warm_up(b, drafter=d3d)
+            _WARM.add((bundle_name, d3d_drafter))
     if skip_layers is not None:
         d3d = d3d.pruned(skip_layers)
     for m in check_modes(modes):

@@ -106,3 +106,34 @@ def test_adapter_config_is_validated_and_needs_the_target(toy, tmp_path):
         load_drafter(tmp_path / "d", bare, toy.target.arch)
     with pytest.raises(ValueError, match="adapter_rank"):
         train(toy, [], adapter_cfg(toy, adapter_rank=8), tmp_path / "x", progress=False, init=d)
+
+
+def test_a_further_d3d_drafter_loads_on_first_use_and_races_lossless(toy, tmp_path):
+    """A bundle's further D3D drafter (``assets/drafters/<bundle>/d3d-*``, here a toy adapter drafter) is loaded on a
+    race's first use, races both D3D modes with exactly ar's tokens, is named in its traces, and bad requests get
+    a clear message."""
+    from d3d_core import service
+
+    d = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=toy.target.num_layers, block_size=4, adapter_rank=4)
+    d.cfg = replace(d.cfg, first_draft="anchor", anchor_attention="causal")
+    with torch.no_grad():
+        for p in d.own_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    d.save(tmp_path / "d3d-deep")
+    toy.extra["d3d-deep"] = tmp_path / "d3d-deep"
+    try:
+        assert "d3d-deep" not in toy.drafters and "d3d-deep" in toy.drafter_names()
+        base = service.settings("ar", block_size=4, max_new_tokens=24, drafting="always")
+        done = {m: tr for m, tr, fin in service.race("toy", PROMPTS[2], ["ar", "d3d-seq", "d3d-async"], base, d3d_drafter="d3d-deep") if fin}
+        assert toy.drafters["d3d-deep"].frozen_base  # loaded now, base rebuilt from the target
+        for m in ("d3d-seq", "d3d-async"):
+            assert done[m].output_ids == done["ar"].output_ids, m
+            assert "rank-4 adapters" in done[m].drafter and f"{toy.target.num_layers} layers" in done[m].drafter
+        assert done["ar"].drafter == ""
+        with pytest.raises(ValueError, match="no D3D drafter 'd3d-nope'; it has: d3d, d3d-deep"):
+            list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, d3d_drafter="d3d-nope"))
+        with pytest.raises(ValueError, match="prunes the default D3D drafter"):
+            list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, skip_layers=[0], d3d_drafter="d3d-deep"))
+    finally:
+        toy.extra.pop("d3d-deep", None)
+        toy.drafters.pop("d3d-deep", None)

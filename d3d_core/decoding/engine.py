@@ -191,14 +191,17 @@ def prepare_prompt(bundle, prompt: Union[str, list], cfg: DecodeConfig) -> tuple
     return text, ids
 
 
-def warm_up(bundle) -> float:
+def warm_up(bundle, drafter=None) -> float:
     """Run every mode once on a few tokens, so that one-time work (the fast engine packs each weight on
     its first use, allocators grow) is paid before a timed decode, never inside one. The app calls it
-    before a bundle's first race; the bench warms up the same way. Returns the seconds it took."""
+    before a bundle's first race; the bench warms up the same way. With ``drafter`` (a D3D drafter other
+    than the bundle's default) only the D3D modes run, with it. Returns the seconds it took."""
     t = time.perf_counter()
     ids = list(range(3, 3 + min(8, bundle.target.arch.vocab_size - 3)))
     for mode in MODES:
-        decode(bundle, ids, DecodeConfig(mode=mode, max_new_tokens=3, block_size=4, hypotheses=2, stop_at_eos=False))
+        if drafter is not None and STRATEGIES[mode].drafter_kind != drafter.cfg.kind:
+            continue
+        decode(bundle, ids, DecodeConfig(mode=mode, max_new_tokens=3, block_size=4, hypotheses=2, stop_at_eos=False), drafter=drafter)
     return time.perf_counter() - t
 
 
@@ -233,6 +236,7 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     trace = Trace(
         mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
         device=str(device), verify_costs=costs.table(cfg.effective_block), cost_source=costs.source,
+        drafter=drafter.describe() if drafter is not None else "",
     )
     lanes = Lanes(device, strategy_cls.concurrent)
     try:

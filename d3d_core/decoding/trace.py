@@ -149,6 +149,7 @@ class Trace:
     device: Annotated[str, Strict(), Field(max_length=40)] = "cpu"
     verify_costs: Annotated[list[Float], Field(max_length=MAX_TRACE_BLOCK)] = field(default_factory=list)  # verify(k)/step, k = 1..B: the plan's cost model
     cost_source: Annotated[str, Strict(), Field(max_length=300)] = ""  # where those costs were measured
+    drafter: Annotated[str, Strict(), Field(max_length=200)] = ""  # the drafter that ran (``describe()``), "" for ar
     version: Int = TRACE_VERSION
 
     # ---- serialisation

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(DecodeConfig(), f))
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sampling", default="match", choices=["match", "rejection"])
-    p.add_argument("--d3d-drafter", default=None, help="path of a D3D drafter (config.json + model.safetensors)")
+    p.add_argument("--d3d-drafter", default=None, help="a D3D drafter: a directory (config.json + model.safetensors) or a shipped one's name (d3d-deep)")
     p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
     p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
     p.add_argument("--device", default=None)
@@ -336,7 +336,8 @@ def main(argv=None) -> int:
     quiet = watch.stop().against(mean_span([r for r in main_rows if r["mode"] == "ar"], "verify"),  # ar's steps
                                   step_reference(bundle.costs, machine["torch_threads"], bundle.target.engine))
     result = {
-        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info, "world_size": dist.world},
+        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info,
+                   "drafters_run": {m: d.describe() for m, d in drafters.items()}, "world_size": dist.world},
         "machine": machine,
         "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(), "drafter_int8": fastops.int8_status(),
                    "row_plan": bundle.target.row_plan_info},
@@ -428,7 +429,9 @@ def load_override_drafters(bundle, args) -> dict:
 
     out = {}
     d3d = bundle.drafter("d3d")
-    if args.d3d_drafter:
+    if args.d3d_drafter and args.d3d_drafter in bundle.drafter_names():  # a shipped one by name, e.g. d3d-deep
+        d3d = bundle.drafter(args.d3d_drafter)
+    elif args.d3d_drafter:
         d3d = load_drafter(args.d3d_drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     if args.skip_layers:
         d3d = d3d.pruned([int(x) for x in args.skip_layers.split(",")])

@@ -51,14 +51,23 @@ class Bundle:
     description: str = ""
     attention: str = "sdpa"  # the target's attention kernel (flash_attention_2 / sdpa)
     costs: dict = field(default_factory=dict)  # the shipped cost breakdown (assets/bench/<name>-costs.json): the verify plan's input
+    extra: dict = field(default_factory=dict)  # name -> directory of a further shipped drafter, loaded on first use (d3d-deep)
 
     @property
     def device(self):
         return self.target.device
 
+    def drafter_names(self) -> list:
+        return sorted(set(self.drafters) | set(self.extra))
+
     def drafter(self, kind: str) -> _DrafterBase:
+        if kind not in self.drafters and kind in self.extra:
+            with _EXTRA_LOCK:  # load once, even when two races ask at the same time
+                if kind not in self.drafters:
+                    self.drafters[kind] = load_drafter(self.extra[kind], self.target.shared, self.target.arch,
+                                                       device=self.device, dtype=self.target.dtype)
         if kind not in self.drafters:
-            raise ValueError(f"bundle {self.name!r} has no {kind!r} drafter; it has: {', '.join(sorted(self.drafters)) or 'none'}")
+            raise ValueError(f"bundle {self.name!r} has no {kind!r} drafter; it has: {', '.join(self.drafter_names()) or 'none'}")
         return self.drafters[kind]
 
 
@@ -95,6 +104,7 @@ BUNDLES = {
 DEFAULT_BUNDLE = "smollm2-135m"
 
 _LOCK = threading.Lock()
+_EXTRA_LOCK = threading.Lock()  # loading a further drafter on first use
 _LOADED: dict = {}
 
 
@@ -143,7 +153,22 @@ def _load(name: str, device: str) -> Bundle:
             d = init_drafter(kind, target, spec).to(device)
             info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
         drafters[kind] = d
-    return Bundle(name, target, tok, drafters, info, spec.description, costs=shipped_costs(name) if device == "cpu" else {})
+    extra = extra_d3d_drafters(name)
+    for kind, path in extra.items():
+        tr = (asset_json("drafters", name, kind, "config.json") or {}).get("training")
+        info[kind] = "trained (loaded on first use)" + (f": {json.dumps(tr)[:200]}" if tr else "")
+    return Bundle(name, target, tok, drafters, info, spec.description, costs=shipped_costs(name) if device == "cpu" else {}, extra=extra)
+
+
+def extra_d3d_drafters(name: str) -> dict:
+    """Further shipped D3D drafters of a bundle besides its default: ``assets/drafters/<name>/d3d-*/``
+    (e.g. ``d3d-deep``), name -> directory. Read from the directory only; nothing is loaded."""
+    out = {}
+    for path in sorted((ASSETS / "drafters" / name).glob("d3d-*")):
+        cfg = asset_json("drafters", name, path.name, "config.json")
+        if cfg and cfg.get("kind") == "d3d" and (path / "model.safetensors").is_file():
+            out[path.name] = path
+    return out
 
 
 def asset_json(*parts) -> Optional[dict]:

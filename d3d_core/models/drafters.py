@@ -488,6 +488,18 @@ class _DrafterBase(nn.Module):
     def active_layers(self):
         return [i for i in range(self.cfg.num_layers) if i not in self.skip]
 
+    def describe(self) -> str:
+        """One short line naming this drafter (what a trace records and the app prints above a column)."""
+        c = self.cfg
+        name = {"d3d": "D3D", "dflash": "DFlash"}.get(c.kind, c.kind)
+        n = len(self.active_layers())
+        text = f"{name} drafter, {n} layer{'s' if n != 1 else ''}"
+        if c.adapter_rank:
+            text += f" (the target's, frozen, + rank-{c.adapter_rank} adapters)"
+        if self.skip:
+            text += f", layer{'s' if len(self.skip) > 1 else ''} {sorted(self.skip)} of {c.num_layers} skipped"
+        return text
+
     def block_embeddings(self, anchor_ids: list, block_len: int) -> torch.Tensor:
         """[anchor, MASK x (L-1)] per block -> (nb * L, H) input embeddings."""
         a_emb = self.shared.embed_tokens(torch.tensor(anchor_ids, dtype=torch.long, device=self.device))  # (nb, H)
@@ -753,8 +765,3 @@ def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtyp
         raise ValueError(f"drafter weights {w_file} do not match its config: {str(e)[:400]}") from e
     return model.to(device=device, dtype=dtype).eval()
 
-
-def describe(m: _DrafterBase) -> str:
-    n = sum(p.numel() for p in m.own_parameters())
-    base = f", rank-{m.cfg.adapter_rank} adapters on the target's layers" if m.frozen_base else ""
-    return f"{m.cfg.kind} drafter: {m.cfg.num_layers} layers ({len(m.active_layers())} active){base}, {n / 1e6:.1f}M own params"
