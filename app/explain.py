@@ -134,6 +134,22 @@ a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 
 the whole bar clears the dotted 99 % line.
 """
 
+DEPTH = """
+### A deeper drafter: more τ, not more speed
+The default D3D drafter has 8 layers. **`d3d-deep`** (the Race tab's *D3D drafter* picker) runs all 30 of the
+target's layers, frozen, plus small trained **adapters** (rank 64, 9 MB) that act only on the MASK slots. Its
+anchor slot computes exactly what the target computes, so **draft 1 is always the target's own next token**;
+the MASK slots learn the rest. On the bench (gsm8k, 128 new tokens, drafting every round) it reaches **τ 3.23**,
+against the default's 2.20.
+But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about one `ar`
+step**, so a round costs a verify *plus* a step. In its bench `d3d-seq` with it was **1.25×** `ar` on gsm8k
+(1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
+a verify cannot hide behind it. The default reached 1.69× on gsm8k in its own bench run (drafting every round).
+Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
+**Timeline** tab. On a GPU, where a draft of 8 tokens through 30 layers costs a fraction of a verify and runs
+beside it, the deep drafter is the one to pick: the D3D preprint drafts with the target's full depth.
+"""
+
 GLOSSARY = """
 ### Glossary (every number the app shows)
 | term | meaning |
@@ -178,7 +194,8 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
+| **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """
 
-SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, PRUNING]
+SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, DEPTH, PRUNING]

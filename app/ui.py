@@ -446,8 +446,8 @@ def build_demo() -> gr.Blocks:
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep runs all of the target's layers (frozen) plus small trained adapters: its draft 1 is "
-                                                 "always the target's own token and τ is far higher, but each draft costs about one target step "
-                                                 "on this CPU, so the 8-layer default is faster per token — τ alone does not buy speed")
+                                                 "always the target's own token and τ is far higher, but on this CPU each draft costs about one "
+                                                 "target step, so the higher τ buys less speed than it seems: race both and compare the counters")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -553,6 +553,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown(explain.D3D)
                 gr.Plot(figures.diagram_d3d_async(), label="D3D async")
                 gr.Markdown(explain.MISS)
+                gr.Markdown(explain.DEPTH)
                 gr.Markdown(explain.PRUNING)
                 gr.Plot(figures.diagram_pruning(), label="Pruning")
                 gr.Markdown(explain.GLOSSARY)

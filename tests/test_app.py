@@ -55,6 +55,9 @@ def test_race_bad_input_gives_message(client):
         m = api_message(client, "/race", *dict(RACE, **{key: bad}).values())
         assert msg in m, (key, m)
         assert "Traceback" not in m
+    # the smollm2 bundle ships d3d-deep (the picker offers it); the toy bundle has no such drafter
+    m = api_message(client, "/race", *RACE.values(), "d3d-deep")
+    assert "bundle 'toy' has no D3D drafter 'd3d-deep'; it has: d3d" in m and "Traceback" not in m, m
     # the engine's own validation backs up the widgets' bounds (API callers can bypass widgets)
     from d3d_core import service
 
