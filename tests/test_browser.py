@@ -81,25 +81,6 @@ def test_race_and_every_tab(server, page):
     _shot(page, "7-traces")
 
 
-def test_race_with_the_deep_drafter(server, page):
-    """The Race tab's D3D-drafter picker: race d3d-seq with d3d-deep; its column names the drafter that ran and
-    prints exactly ar's tokens."""
-    page.goto(server, wait_until="domcontentloaded")
-    page.get_by_text("D3D Studio", exact=False).first.wait_for()
-    _set_slider(page, "Max new tokens", 16)
-    for m in ("dflash", "d3d-async"):
-        page.get_by_label(m, exact=True).uncheck()
-    page.locator("#d3d-drafter label").filter(has_text="d3d-deep (").click()
-    page.locator("#run").click()
-    page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
-    assert "d3d-deep" in page.locator("#status").inner_text()
-    seq = page.locator("#col-d3d-seq").inner_text()
-    assert "30 layers" in seq and "adapters" in seq, seq
-    done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq")}
-    assert done["ar"] == done["d3d-seq"] == "16", done
-    _shot(page, "1b-race-deep")
-
-
 def test_clock_and_export(server, page, tmp_path):
     """After the race above: re-time the Timeline under a projected GPU profile and back, export the
     race as one HTML file, and open that file in the browser with no server."""
@@ -126,3 +107,22 @@ def test_clock_and_export(server, page, tmp_path):
     assert page.locator(".d3d-col").count() == 4 and page.locator(".tok.bonus").count() > 0
     assert page.locator(".js-plotly-plot .barlayer .point").count() > 10  # the timeline drew offline
     _shot(page, "8-exported-race")
+
+
+def test_race_with_the_deep_drafter(server, page):
+    """The Race tab's D3D-drafter picker: race d3d-seq with d3d-deep; its column names the drafter that ran and
+    prints exactly ar's tokens. Last in the file: the tests above read the four-mode race of the first test."""
+    page.goto(server, wait_until="domcontentloaded")
+    page.get_by_text("D3D Studio", exact=False).first.wait_for()
+    _set_slider(page, "Max new tokens", 16)
+    for m in ("dflash", "d3d-async"):
+        page.get_by_label(m, exact=True).uncheck()
+    page.locator("#d3d-drafter label").filter(has_text="d3d-deep (").click()
+    page.locator("#run").click()
+    page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
+    assert "d3d-deep" in page.locator("#status").inner_text()
+    seq = page.locator("#col-d3d-seq").inner_text()
+    assert "30 layers" in seq and "adapters" in seq, seq
+    done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq")}
+    assert done["ar"] == done["d3d-seq"] == "16", done
+    _shot(page, "1b-race-deep")
