@@ -18,6 +18,7 @@ from .limits import APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle
+from .models.drafters import DrafterConfig
 from .schemas import AppSettings, checked
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
@@ -71,7 +72,6 @@ def bundle_summary(name: str) -> dict:
         "block_size": default_block(name),
         "engine": b.target.engine,
         "drafters": dict(b.drafter_info),
-        "d3d_drafters": d3d_drafters(name),
     }
 
 
@@ -80,18 +80,14 @@ def d3d_drafters(bundle_name: str) -> dict:
     configs (nothing is loaded). "d3d" is the default; further shipped ones (``assets/drafters/<bundle>/d3d-*``,
     e.g. ``d3d-deep``) load on a race's first use."""
     def label(name):
-        cfg = asset_json("drafters", bundle_name, name, "config.json") or {}
-        n, rank = cfg.get("num_layers"), cfg.get("adapter_rank", 0)
-        if not isinstance(n, int):
+        try:
+            return DrafterConfig.from_json(asset_json("drafters", bundle_name, name, "config.json")).describe()
+        except (TypeError, ValueError):  # no shipped config (a toy bundle's drafters are built in code), or an unreadable one
             return "D3D drafter"
-        text = f"{n} layers"
-        if rank:
-            text += f", the target's own (frozen) + rank-{rank} adapters"
-        return text
 
-    out = {"d3d": f"default ({label('d3d')})"}
+    out = {"d3d": f"default: {label('d3d')}"}
     for name in extra_d3d_drafters(bundle_name):
-        out[name] = f"{name} ({label(name)})"
+        out[name] = f"{name}: {label(name)}"
     return out
 
 
@@ -107,7 +103,7 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
     D3D modes use. ``skip_layers``: None races that drafter as shipped (the default may be a shipped
     pruned one); a list races it with exactly those layers skipped (the default drafter only)."""
     b = get_bundle(bundle_name)
-    names = ["d3d"] + [k for k in b.drafter_names() if k.startswith("d3d-")]
+    names = b.d3d_names()
     if d3d_drafter not in names:
         raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
     if skip_layers is not None and d3d_drafter != "d3d":

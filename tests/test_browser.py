@@ -117,7 +117,7 @@ def test_race_with_the_deep_drafter(server, page):
     _set_slider(page, "Max new tokens", 16)
     for m in ("dflash", "d3d-async"):
         page.get_by_label(m, exact=True).uncheck()
-    page.locator("#d3d-drafter label").filter(has_text="d3d-deep (").click()
+    page.locator("#d3d-drafter label").filter(has_text="d3d-deep: ").click()
     page.locator("#run").click()
     page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
     assert "d3d-deep" in page.locator("#status").inner_text()

@@ -429,7 +429,7 @@ def load_override_drafters(bundle, args) -> dict:
 
     out = {}
     d3d = bundle.drafter("d3d")
-    if args.d3d_drafter and args.d3d_drafter in bundle.drafter_names():  # a shipped one by name, e.g. d3d-deep
+    if args.d3d_drafter and args.d3d_drafter in bundle.d3d_names():  # a shipped one by name, e.g. d3d-deep
         d3d = bundle.drafter(args.d3d_drafter)
     elif args.d3d_drafter:
         d3d = load_drafter(args.d3d_drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)

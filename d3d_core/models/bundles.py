@@ -60,6 +60,10 @@ class Bundle:
     def drafter_names(self) -> list:
         return sorted(set(self.drafters) | set(self.extra))
 
+    def d3d_names(self) -> list:
+        """The D3D drafters a D3D mode may run: "d3d" (the default) and the further shipped ones (``d3d-*``)."""
+        return ["d3d"] + [k for k in self.drafter_names() if k.startswith("d3d-")]
+
     def drafter(self, kind: str) -> _DrafterBase:
         if kind not in self.drafters and kind in self.extra:
             with _EXTRA_LOCK:  # load once, even when two races ask at the same time

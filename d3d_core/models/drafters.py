@@ -123,6 +123,17 @@ class DrafterConfig:
         if self.adapter_rank and self.kind != "d3d":
             raise ValueError("drafter config: adapter_rank applies to D3D drafters only (their MASK slots carry the adapters)")
 
+    def describe(self) -> str:
+        """One short line naming the drafter this config builds (a trace's ``drafter``, the app's picker and columns)."""
+        name = {"d3d": "D3D", "dflash": "DFlash"}.get(self.kind, self.kind)
+        n = self.num_layers - len(self.skip_layers)
+        text = f"{name} drafter, {n} layer{'s' if n != 1 else ''}"
+        if self.adapter_rank:
+            text += f" (the target's, frozen, + rank-{self.adapter_rank} adapters)"
+        if self.skip_layers:
+            text += f", layer{'s' if len(self.skip_layers) > 1 else ''} {sorted(self.skip_layers)} of {self.num_layers} skipped"
+        return text
+
     def to_json(self) -> dict:
         d = asdict(self)
         return d
@@ -489,16 +500,8 @@ class _DrafterBase(nn.Module):
         return [i for i in range(self.cfg.num_layers) if i not in self.skip]
 
     def describe(self) -> str:
-        """One short line naming this drafter (what a trace records and the app prints above a column)."""
-        c = self.cfg
-        name = {"d3d": "D3D", "dflash": "DFlash"}.get(c.kind, c.kind)
-        n = len(self.active_layers())
-        text = f"{name} drafter, {n} layer{'s' if n != 1 else ''}"
-        if c.adapter_rank:
-            text += f" (the target's, frozen, + rank-{c.adapter_rank} adapters)"
-        if self.skip:
-            text += f", layer{'s' if len(self.skip) > 1 else ''} {sorted(self.skip)} of {c.num_layers} skipped"
-        return text
+        """One short line naming this drafter, its skipped layers included (``DrafterConfig.describe``)."""
+        return self.cfg.describe()
 
     def block_embeddings(self, anchor_ids: list, block_len: int) -> torch.Tensor:
         """[anchor, MASK x (L-1)] per block -> (nb * L, H) input embeddings."""
