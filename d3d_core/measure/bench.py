@@ -8,13 +8,17 @@ Modes run interleaved per prompt (item-major), so machine drift hits all modes a
 ``speedup`` = AR time per output token / mode time per output token, prefill excluded,
 from the same run. Writes JSON ``{"config", "machine", "rows", "summary"}`` plus CSV and
 Markdown beside it; prints the summary table; a progress bar goes to stderr.
+
+Raw results first (``rawfirst``): right after the decodes, ``<out stem>.raw.json`` holds config,
+machine and rows (and the cost probe's table once measured); every summary step then runs guarded. A
+failing step is named on stderr and in the result's ``failed_steps``, the rest is still written, the
+raw file is kept and the command exits 1; with no failure the raw file is removed (the result holds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 import time
@@ -35,6 +39,7 @@ from .datasets import load_benchmark, parse_datasets
 from .latency import mean_span, validate, validate_in_run
 from .machine import QuietWatch, machine_info, step_reference
 from .peers import PEERS, run_peer
+from .rawfirst import Steps, raw_path, write_json_atomic
 from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
 
 
@@ -88,12 +93,17 @@ def _mean(xs):
 
 
 def summarize(rows: list, datasets: list, modes: list) -> list:
-    """Per dataset x mode, plus an 'average' row per mode over datasets."""
+    """Per dataset x mode, plus an 'average' row per mode over datasets. A dataset with no items gives
+    rows with n 0 and nothing measured (None); peers have no τ (None); a mode whose every round the draft
+    gate skipped has τ 1 (each round committed its bonus token alone)."""
     out = []
 
     def one(rs, dataset, mode, ar_rs):
         if not rs:
-            return None
+            if any(r["dataset"] == dataset for r in rows):  # the dataset ran, this mode did not (e.g. not at this plan)
+                return None
+            return {"dataset": dataset, "mode": mode, "n": 0, "tau": None, "tokens_per_s": None, "speedup": None, "lossless_rate": None,
+                    "hit_rate": None, "overlap": None, "skipped": None, "tokens": 0}
         toks = sum(max(r["n_tokens"] - 1, 0) for r in rs)
         t = sum(r["decode_time_s"] for r in rs)
         tpt = t / toks if toks else None
@@ -139,19 +149,30 @@ def summarize(rows: list, datasets: list, modes: list) -> list:
     return out
 
 
-def write_outputs(out: Path, result: dict) -> list:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(checked("bench result", result), indent=2))
-    written = [out]
+def write_outputs(out: Path, result: dict, steps: Optional[Steps] = None) -> list:
+    """The summary as CSV and Markdown beside ``out``, then the result JSON (atomic). The schema check and
+    the tables run as steps (see rawfirst): a result that fails one is still written, with ``failed_steps``."""
+    steps = steps or Steps()
     stem = out.with_suffix("")
-    with open(f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=SUMMARY_COLS, extrasaction="ignore")
-        w.writeheader()
-        for s in result["summary"]:
-            w.writerow(s)
-    written.append(Path(f"{stem}.csv"))
-    Path(f"{stem}.md").write_text(table_markdown(result["summary"]))
-    written.append(Path(f"{stem}.md"))
+    written = []
+    steps.run("schema", checked, "bench result", result)
+
+    def tables():
+        with open(f"{stem}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=SUMMARY_COLS, extrasaction="ignore")
+            w.writeheader()
+            for s in result["summary"]:
+                w.writerow(s)
+        written.append(Path(f"{stem}.csv"))
+        Path(f"{stem}.md").write_text(table_markdown(result["summary"]))
+        written.append(Path(f"{stem}.md"))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps.run("tables", tables)
+    n_failed = len(steps.failed)
+    steps.finish(out, result, write=lambda o, d: write_json_atomic(o, d, indent=2))
+    if len(steps.failed) == n_failed:  # the JSON was written
+        written.insert(0, out)
     return written
 
 
@@ -330,58 +351,83 @@ def main(argv=None) -> int:
         dist.close()
         return 0
     rows.sort(key=lambda r: (datasets.index(r["dataset"]), r["id"], r["mode"], r["block_size"]))
-    main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and plan_of(r) == plans[0])]
-    summary = summarize(main_rows, datasets, modes + peers)
-    machine = machine_info()  # the AR steps ran on torch_threads: compare them with the quiet step at that count
-    quiet = watch.stop().against(mean_span([r for r in main_rows if r["mode"] == "ar"], "verify"),  # ar's steps
-                                  step_reference(bundle.costs, machine["torch_threads"], bundle.target.engine))
+    heard = watch.stop()  # the decodes' quietness (the cost probe below is not part of it)
+    wall = time.time() - t0
+    out = Path(args.out)
+    steps = Steps(raw=raw_path(out))
+    # raw results first (rawfirst): config, machine and rows reach the disk before any summary runs
     result = {
-        "config": {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info,
-                   "drafters_run": {m: d.describe() for m, d in drafters.items()}, "world_size": dist.world},
-        "machine": machine,
-        "engine": {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(), "drafter_int8": fastops.int8_status(),
-                   "row_plan": bundle.target.row_plan_info},
-        "quiet": quiet.to_json(),
-        "wall_time_s": time.time() - t0,
+        "config": steps.run("config", lambda: {**vars(args), "decode": asdict(base), "drafters": bundle.drafter_info,
+                                               "drafters_run": {m: d.describe() for m, d in drafters.items()}, "world_size": dist.world},
+                            default={**vars(args), "decode": asdict(base), "world_size": dist.world}),
+        "machine": steps.run("machine", machine_info, default={}),
+        "engine": steps.run("engine", lambda: {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(),
+                                               "drafter_int8": fastops.int8_status(), "row_plan": bundle.target.row_plan_info}, default={}),
+        "wall_time_s": wall,
         "rows": rows,
-        "summary": summary,
-        "acceptance_hist": acceptance_hists(main_rows),
     }
+    steps.save_raw(result)
+    if args.cost_probe:  # a measurement too: it joins the raw file before the latency model reads it
+        costs = steps.run("cost_probe", probe_costs, bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
+        if costs is not None:
+            result["costs"] = costs
+            steps.save_raw(result)
+
+    # summaries: each one guarded; a failing one is named on stderr and in failed_steps, the rest still run
+    main_rows = [r for r in rows if r["mode"] == "ar" or (r["block_size"] == base.block_size and plan_of(r) == plans[0])]
+    summary = steps.run("summary", summarize, main_rows, datasets, modes + peers, default=[])
+    result["summary"] = summary
+    machine = result["machine"]  # the AR steps ran on torch_threads: compare them with the quiet step at that count
+    quiet = steps.run("quiet", lambda: heard.against(mean_span([r for r in main_rows if r["mode"] == "ar"], "verify"),  # ar's steps
+                                                     step_reference(bundle.costs, machine.get("torch_threads"), bundle.target.engine)),
+                      default=heard)
+    result["quiet"] = quiet.to_json()
+    result["acceptance_hist"] = steps.run("acceptance_hist", acceptance_hists, main_rows, default={})
     if len(block_sizes) > 1:
-        result["sweep"] = sweep_table(rows, datasets, modes, block_sizes, plans[0])
+        result["sweep"] = steps.run("sweep", sweep_table, rows, datasets, modes, block_sizes, plans[0], default={})
     if len(plans) > 1:
-        result["plan_compare"] = plan_table(rows, datasets, modes, base.block_size)
-    if args.cost_probe:
-
-        result["costs"] = probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8))
-        result["latency_model"] = validate(result)
-
-    result["latency_model_in_run"] = validate_in_run(result)
-    written = write_outputs(Path(args.out), result)
-    print(f"{result['machine']['cpu']}, {result['engine']['target']} engine")
-    print(table_text(summary))
+        result["plan_compare"] = steps.run("plan_compare", plan_table, rows, datasets, modes, base.block_size, default={})
+    if "costs" in result:
+        result["latency_model"] = steps.run("latency_model", validate, result, default=[])
+    result["latency_model_in_run"] = steps.run("latency_model_in_run", validate_in_run, result, default=[])
+    with steps.step("print"):
+        print_result(result, base.block_size)
+    written = write_outputs(out, result, steps)
     if quiet.noisy:
         print(f"\nWARNING: {quiet.warning}", file=sys.stderr)
-    if "plan_compare" in result:
-        print(f"\nplans at B={base.block_size} (τ / speedup / rounds skipped by the draft gate):")
-        for m, pts in result["plan_compare"].items():
-            print(f"  {m:10s} " + "  ".join(f"{v}: {x['tau']:.2f} / {_fmt(x['speedup'])}x / {x['skipped']:.0%}" for v, x in pts.items()))
-    if "sweep" in result:
-        print("\nblock-size sweep (τ / speedup):")
-        for m, pts in result["sweep"].items():
-            print(f"  {m:10s} " + "  ".join(f"B={b}: {v['tau']:.2f} / {_fmt(v['speedup'])}x" for b, v in pts.items()))
-    if args.cost_probe:
-
-        print()
-        print(costs_text(result["costs"]))
-        print("\nlatency model vs measured speedup:")
-        print(table_text(result["latency_model"], cols=["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]))
-    if result["latency_model_in_run"]:
-        print("\nlatency model with the costs this run paid (span means) vs measured speedup:")
-        print(table_text(result["latency_model_in_run"], cols=["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]))
     print(f"\nwrote {', '.join(str(w) for w in written)} ({result['wall_time_s']:.0f} s, {dist.world} process(es))", file=sys.stderr)
     dist.close()
-    return 0
+    return steps.exit_code()
+
+
+LATENCY_COLS = ["dataset", "mode", "tau", "hit_rate", "measured_speedup", "predicted_speedup", "error"]
+
+
+def print_result(result: dict, B: int) -> None:
+    """The bench's report on stdout: summary table, plans, sweep, cost probe and latency-model checks."""
+    print(f"{result['machine'].get('cpu', '?')}, {result['engine'].get('target', '?')} engine")
+    print(table_text(result["summary"]))
+    if result.get("plan_compare"):
+        print(f"\nplans at B={B} (τ / speedup / rounds skipped by the draft gate):")
+        for m, pts in result["plan_compare"].items():
+            print(f"  {m:10s} " + "  ".join(f"{v}: {_fmt(x['tau'])} / {_fmt(x['speedup'])}x / {_pct(x['skipped'])}" for v, x in pts.items()))
+    if result.get("sweep"):
+        print("\nblock-size sweep (τ / speedup):")
+        for m, pts in result["sweep"].items():
+            print(f"  {m:10s} " + "  ".join(f"B={b}: {_fmt(v['tau'])} / {_fmt(v['speedup'])}x" for b, v in pts.items()))
+    if "costs" in result:
+        print()
+        print(costs_text(result["costs"]))
+    if "latency_model" in result:
+        print("\nlatency model vs measured speedup:")
+        print(table_text(result["latency_model"], cols=LATENCY_COLS))
+    if result.get("latency_model_in_run"):
+        print("\nlatency model with the costs this run paid (span means) vs measured speedup:")
+        print(table_text(result["latency_model_in_run"], cols=LATENCY_COLS))
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:.0%}"
 
 
 class Dist:

@@ -26,6 +26,7 @@ from ..models import fastops
 from ..models.bundles import BUNDLES, get_bundle, init_drafter
 from ..models.fastops import ATTENTION, LM_HEAD
 from .machine import QuietWatch, machine_info, step_reference
+from .rawfirst import Steps, raw_path
 
 
 def _prefilled(target, ctx_len: int, g: torch.Generator) -> tuple:
@@ -167,6 +168,8 @@ def costs_text(c: dict) -> str:
 # hypotheses, the DFlash draft), at 1 and 2 threads: wall ms, the share spent in the layer
 # GEMMs, attention, the LM head and everything else (a torch profile of the same forward), and
 # the bound this machine puts on it (bytes read / measured bandwidth, FLOPs / measured GEMM rate).
+# The measured rows reach ``<out stem>.raw.json`` before the overlap probe and any summary run
+# (``rawfirst``): a failing step is named, recorded in ``failed_steps`` and the command exits 1.
 
 GEMM_OPS = ("mkldnn::_linear_pointwise", "quantized::linear_dynamic", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")  # int8: drafters
 PARTS = ("layer_gemm", "attention", "lm_head", "other")
@@ -357,7 +360,6 @@ def breakdown_text(c: dict) -> str:
 
 def main(argv=None) -> int:
     import argparse
-    import json
     import sys
     from pathlib import Path
 
@@ -381,22 +383,34 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --widths must be a comma list of integers in 2..64, got {args.widths!r}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    steps = Steps(raw=raw_path(out))  # raw results first (rawfirst): the measured rows reach the disk before any summary
     res = breakdown(bundle, ctx_len=args.ctx, repeats=args.repeats, threads=tuple(int(t) for t in args.threads.split(",")), block_sizes=widths)
+    steps.save_raw(res)
     if args.crossover.strip():
-        res["overlap"] = overlap_crossover(bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
-    top = max(r["threads"] for r in res["rows"])
-    step = next((r["wall_ms"] for r in res["rows"] if r["forward"] == "step" and r["threads"] == top), None)
-    res["machine_info"], res["quiet"] = machine_info(), watch.stop().against(step, step_reference(bundle.costs, top, res.get("engine"))).to_json()
-    print(res["machine_info"]["cpu"])
-    print(breakdown_text(res))
-    if "overlap" in res:
-        print(crossover_text(res["overlap"]))
-    if res["quiet"]["noisy"]:
+        overlap = steps.run("overlap", overlap_crossover, bundle, depths=[int(d) for d in args.crossover.split(",")], repeats=args.repeats)
+        if overlap is not None:
+            res["overlap"] = overlap
+            steps.save_raw(res)
+    heard = watch.stop()
+
+    def quiet() -> dict:
+        top = max(r["threads"] for r in res["rows"])
+        step = next((r["wall_ms"] for r in res["rows"] if r["forward"] == "step" and r["threads"] == top), None)
+        return heard.against(step, step_reference(bundle.costs, top, res.get("engine"))).to_json()
+
+    res["machine_info"] = steps.run("machine_info", machine_info, default={})
+    res["quiet"] = steps.run("quiet", quiet, default=heard.to_json())
+    with steps.step("print"):
+        print(res["machine_info"].get("cpu", "?"))
+        print(breakdown_text(res))
+        if "overlap" in res:
+            print(crossover_text(res["overlap"]))
+    if res["quiet"].get("noisy"):
         print(f"WARNING: {res['quiet']['warning']}", file=sys.stderr)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    rc = steps.finish(out, res)
+    print(f"wrote {out}" if out.is_file() else f"kept {steps.raw}", file=sys.stderr)
+    return rc
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Optional
 
 from ..decoding.plan import plan_label, plan_of
 from ..models.bundles import asset_json
+from .rawfirst import Steps
 from .tables import table_text
 
 
@@ -105,8 +106,8 @@ def round_ms(p: CostProfile, mode: str, B: int, hit_rate: float = 0.0, H: int = 
 def per_token_ms(p: CostProfile, mode: str, B: int, tau: float, hit_rate: float = 0.0, H: int = 4) -> float:
     if mode == "ar":
         return p.t_step_ms
-    if tau <= 0:
-        raise ValueError("τ must be positive")
+    if tau is None or tau <= 0:
+        raise ValueError(f"τ must be positive (got {tau!r}: a peer, or a mode with no round, has nothing to model)")
     return round_ms(p, mode, B, hit_rate, H) / tau
 
 
@@ -259,9 +260,23 @@ PRESETS = {
 }
 
 
+MODELLED = ("dflash", "d3d-seq", "d3d-async")  # the drafting modes the model prices (ar is the yardstick)
+
+
+def _modelled(s: dict) -> bool:
+    """A summary row the model can price: a drafting mode with a measured speedup and a positive τ.
+    Peers (no τ: ``generate`` hides its rounds) and a mode that ran no round (τ 0) are left out."""
+    return s.get("mode") in MODELLED and s.get("speedup") is not None and (s.get("tau") or 0) > 0
+
+
+def _error(pred: float, measured: float) -> Optional[float]:
+    return (pred - measured) / measured if measured else None
+
+
 def validate(result: dict, profile: Optional[CostProfile] = None) -> list:
     """Predicted vs measured speedup per dataset x mode of a bench result (JSON dict with
-    'summary', 'rows', 'costs'), using its measured τ and hit rate. Returns rows with the error."""
+    'summary', 'rows', 'costs'), using its measured τ and hit rate. Returns rows with the error.
+    Rows the model cannot price (peers, a mode with no round) are left out."""
     if profile is None:
         if "costs" not in result:
             raise ValueError("the bench result has no cost probe: rerun with --cost-probe")
@@ -270,13 +285,12 @@ def validate(result: dict, profile: Optional[CostProfile] = None) -> list:
     B, H = dec["block_size"], dec["hypotheses"]
     out = []
     for s in result["summary"]:
-        if s["mode"] == "ar" or s.get("speedup") is None:
+        if not _modelled(s):
             continue
         p = async_profile(profile) if s["mode"] == "d3d-async" else profile
         pred = p.t_step_ms / per_token_ms(p, s["mode"], B, s["tau"], s.get("hit_rate") or 0.0, H)
         out.append({"dataset": s["dataset"], "mode": s["mode"], "tau": s["tau"], "hit_rate": s.get("hit_rate"),
-                    "measured_speedup": s["speedup"], "predicted_speedup": pred,
-                    "error": (pred - s["speedup"]) / s["speedup"]})
+                    "measured_speedup": s["speedup"], "predicted_speedup": pred, "error": _error(pred, s["speedup"])})
     return out
 
 
@@ -298,27 +312,28 @@ def validate_in_run(result: dict) -> list:
 
     out = []
     for s in result["summary"]:
-        if s["mode"] == "ar" or s.get("speedup") is None or s["dataset"] == "average":
+        if not _modelled(s) or s["dataset"] == "average":
             continue
         ds = [r for r in rows if r["dataset"] == s["dataset"]]
         step = mean_span([r for r in ds if r["mode"] == "ar"], "verify")
         mine = [r for r in ds if r["mode"] == s["mode"]]
         verify = mean_span(mine, "verify")
-        if step is None or verify is None:
+        if step is None or (verify is None and mean_span(mine, "step") is None):  # no span of this mode's rounds
             continue
         # every span this mode paid, summed; a round the draft gate skipped paid one step (its "step" span)
         total = lambda kind: sum(r["span_ms"][kind]["mean"] * r["span_ms"][kind]["n"] for r in mine if kind in r["span_ms"])  # noqa: E731
         rounds = sum(r["rounds"] for r in mine)
         n_drafted = rounds - sum(r["span_ms"].get("step", {}).get("n", 0) for r in mine)
         if s["mode"] == "d3d-async":  # verify and the packed pass overlap: the longer one counts
-            drafted = n_drafted * max(verify, mean_span(mine, "packed_draft") or 0.0) + total("sync_draft") + total("draft")
+            drafted = n_drafted * max(verify or 0.0, mean_span(mine, "packed_draft") or 0.0) + total("sync_draft") + total("draft")
         else:
             drafted = total("draft") + total("verify")
         rnd = (drafted + total("step")) / max(1, rounds)
+        if rnd <= 0:
+            continue
         pred = step / (rnd / s["tau"])
         out.append({"dataset": s["dataset"], "mode": s["mode"], "tau": s["tau"], "hit_rate": s.get("hit_rate"),
-                    "measured_speedup": s["speedup"], "predicted_speedup": pred,
-                    "error": (pred - s["speedup"]) / s["speedup"]})
+                    "measured_speedup": s["speedup"], "predicted_speedup": pred, "error": _error(pred, s["speedup"])})
     return out
 
 
@@ -338,7 +353,7 @@ def project_bench(result: dict, profiles: Optional[dict] = None, B: Optional[int
     out = []
     for name, p in profiles.items():
         for s in rows:
-            if s["mode"] == "ar" or s.get("tau") is None:  # ar is the yardstick; peers have no τ to project
+            if s["mode"] not in MODELLED or not (s.get("tau") or 0) > 0:  # ar is the yardstick; peers have no τ to project
                 continue
             q = async_profile(p) if (s["mode"] == "d3d-async" and p.measured) else p
             out.append({"profile": name, "mode": s["mode"], "B": B, "H": H, "tau": s["tau"], "hit_rate": s.get("hit_rate"),
@@ -360,16 +375,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         result = json.loads(open(args.bench).read())
-        rows = project_bench(result, B=args.block_size, H=args.hypotheses)
-    except (OSError, ValueError, KeyError) as e:
+        if not isinstance(result, dict) or "summary" not in result or "config" not in result:
+            raise ValueError("not a bench result (no summary / config)")
+    except (OSError, ValueError) as e:
         print(f"error: cannot read bench result {args.bench}: {e}", file=sys.stderr)
         return 2
-
-    print("MODEL-BASED projection (measured τ / hit rate, cost profiles from latency.PRESETS):")
-    print(table_text(rows, cols=["profile", "mode", "B", "H", "tau", "hit_rate", "projected_speedup"]))
-    for name, p in PRESETS.items():
-        print(f"\n{name}\n  source: {p.source}\n  assumptions: {p.assumptions}")
-    return 0
+    steps = Steps(raw=args.bench)  # the measurements are the bench file itself; the projection is a summary step
+    rows = steps.run("projection", project_bench, result, B=args.block_size, H=args.hypotheses, default=[])
+    with steps.step("print"):
+        print("MODEL-BASED projection (measured τ / hit rate, cost profiles from latency.PRESETS):")
+        print(table_text(rows, cols=["profile", "mode", "B", "H", "tau", "hit_rate", "projected_speedup"]))
+        for name, p in PRESETS.items():
+            print(f"\n{name}\n  source: {p.source}\n  assumptions: {p.assumptions}")
+    return steps.exit_code()
 
 
 if __name__ == "__main__":

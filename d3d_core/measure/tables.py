@@ -6,8 +6,9 @@ SUMMARY_COLS = ["dataset", "mode", "n", "tau", "tokens_per_s", "speedup", "lossl
 
 
 def _fmt(v) -> str:
+    """A table cell: floats to 2 decimals, None (not measured / not applicable, e.g. a peer's τ) as "—"."""
     if v is None:
-        return "-"
+        return "—"
     if isinstance(v, float):
         return f"{v:.2f}"
     return str(v)

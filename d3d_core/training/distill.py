@@ -6,7 +6,9 @@
 Prompts come only from training files (gsm8k train, mbpp train ids 601-974, alpaca).
 Batched greedy generation (left padding), written as JSONL shards of token ids with the
 prompt boundary under ``$D3D_CACHE/distill/<bundle>/``. Resumable: prompts already in a
-shard are skipped, so a killed run continues where it stopped.
+shard are skipped, so a killed run continues where it stopped. Each batch is flushed to its shard
+before the next one runs; the closing report is a guarded step (``rawfirst``): if it fails, it is
+named on stderr and the command exits 1, the shards untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..measure.datasets import load_training_prompts
+from ..measure.rawfirst import Steps
 from ..models.bundles import cache_dir, get_bundle
 
 
@@ -129,10 +132,12 @@ def main(argv=None) -> int:
                 fh.flush()
             if total >= args.target_tokens:
                 break
-    bar.close()
-    n = len(read_examples(out))
-    print(f"{n} examples, {total} response tokens in {out} ({time.time() - t0:.0f} s this run)", file=sys.stderr)
-    return 0
+    steps = Steps(raw=out)  # the raw results: the shards, flushed batch by batch above
+    with steps.step("report"):
+        bar.close()
+        n = len(read_examples(out))
+        print(f"{n} examples, {total} response tokens in {out} ({time.time() - t0:.0f} s this run)", file=sys.stderr)
+    return steps.exit_code()
 
 
 if __name__ == "__main__":

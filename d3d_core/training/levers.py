@@ -9,7 +9,8 @@ drafter per recipe from the same target-initialised start for the same wall time
 measured step time, so every recipe completes its own learning-rate schedule), then scores each on
 held-out benchmark continuations (``offline_tau.held_out_set``) with a paired bootstrap interval against the
 ``base`` recipe (the shipped one). Runs checkpoint under ``$D3D_CACHE/levers/<recipe>`` and the plan is
-kept beside them, so rerunning the same command resumes; results go to ``--json``.
+kept beside them, so rerunning the same command resumes; results go to ``--json``, each recipe's to
+``<json stem>.raw.json`` as soon as it is scored (``rawfirst``: a failing summary step is named and exits 1).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..measure.machine import machine_info
+from ..measure.rawfirst import Steps, raw_path
 from ..models.bundles import cache_dir, get_bundle
 from ..models.drafters import load_drafter
 from .distill import distill_dir, read_examples
@@ -98,11 +100,20 @@ def _plan_path() -> Path:
 
 
 def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_tokens: int, data_dir, out_json: Path,
-        reference: str = "base") -> dict:
+        reference: str = "base", steps: Steps | None = None) -> dict:
+    """Train and score every recipe; returns the result document. Raw results first (``rawfirst``): after each
+    recipe the results so far reach ``<json stem>.raw.json``; the comparison with the reference and the
+    provenance then run as guarded steps. Without ``steps`` the document is also written to ``out_json``
+    (with ``steps``, the caller finishes it: ``steps.finish(out_json, doc)``)."""
+    own = steps is None
+    steps = steps if steps is not None else Steps(raw=raw_path(out_json))
     plan_f = _plan_path()
     plan = json.loads(plan_f.read_text()) if plan_f.is_file() else {}
     seqs, _ = held_out_set(bundle, data_dir, eval_n, eval_tokens)
     results = {}
+    doc = {"minutes_per_recipe": minutes, "threads": torch.get_num_threads(), "held_out": f"{eval_n} benchmark continuations × {eval_tokens} tokens",
+           "train_examples": len(split_holdout(examples, TrainConfig.max_len)[0]),
+           "train_tokens": sum(len(e["response_ids"]) for e in examples), "results": results}
     for name in names:
         key = f"{name}@{minutes}"
         if key not in plan:
@@ -115,7 +126,7 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
         cfg = recipe_config(name, steps=steps, warmup=max(1, steps // 10), eval_every=steps, eval_seqs=8, ckpt_every=10)
         out = cache_dir() / "levers" / key
         t0 = time.process_time()
-        res = train(bundle, examples, cfg, out, progress=False)
+        res = train(bundle, examples, cfg, out, progress=False, guard=steps)
         d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch).eval()
         tau, per = offline_tau(d, seqs, B=8, stride=4, per_seq=True)
         start = fresh_drafter(bundle, cfg).eval()  # the untrained start: what the CPU time bought is the difference
@@ -125,23 +136,26 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
                          "draft1": first_draft_accuracy(d, seqs), "draft1_start": first_draft_accuracy(start, seqs),
                          "cpu_s_this_run": round(time.process_time() - t0, 1), "history": res["history"],
                          "train_config": asdict(cfg)}
-        print(json.dumps({"recipe": name, "steps": cfg.steps, "held_out_tau": round(tau, 4), "start": round(tau0, 4),
-                          "draft1": results[name]["draft1"]}), file=sys.stderr)
+        steps.save_raw(doc)  # this recipe's measurements are on disk before the next one starts
+        with steps.step("log"):
+            print(json.dumps({"recipe": name, "steps": cfg.steps, "held_out_tau": round(tau, 4), "start": round(tau0, 4),
+                              "draft1": results[name]["draft1"]}), file=sys.stderr)
     if reference in results:
-        ref = results[reference]
-        for name, r in results.items():
-            if name != reference:
-                r["reference"] = reference
-                r["ratio_vs_reference"] = round(r["held_out_tau"] / ref["held_out_tau"], 4)
-                r["ratio_ci95"] = [round(x, 4) for x in paired_ratio_ci(r["per_seq"], ref["per_seq"])]
-    doc = {"minutes_per_recipe": minutes, "threads": torch.get_num_threads(), "held_out": f"{eval_n} benchmark continuations × {eval_tokens} tokens",
-           "train_examples": len(split_holdout(examples, TrainConfig.max_len)[0]),
-           "train_tokens": sum(len(e["response_ids"]) for e in examples), "results": results}
-
-    doc["machine"] = machine_info()
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(doc, indent=1))
+        steps.run("reference", compare_with, results, reference)
+    doc["machine"] = steps.run("machine", machine_info, default={})
+    if own:
+        steps.finish(out_json, doc)
     return doc
+
+
+def compare_with(results: dict, reference: str) -> None:
+    """Each recipe's held-out τ as a ratio of the reference recipe's, with a paired 95 % interval (in place)."""
+    ref = results[reference]
+    for name, r in results.items():
+        if name != reference:
+            r["reference"] = reference
+            r["ratio_vs_reference"] = round(r["held_out_tau"] / ref["held_out_tau"], 4) if ref["held_out_tau"] else None
+            r["ratio_ci95"] = [round(x, 4) for x in paired_ratio_ci(r["per_seq"], ref["per_seq"])]
 
 
 def main(argv=None) -> int:
@@ -174,11 +188,14 @@ def main(argv=None) -> int:
         rows = {n: step_cost(bundle, examples, recipe_config(n)) for n in names}
         print(json.dumps({"threads": torch.get_num_threads(), "recipes": rows}, indent=1))
         return 0
-    doc = run(bundle, examples, args.minutes, names, args.eval_n, args.eval_tokens, args.data_dir, Path(args.json), args.reference)
-    for n, r in doc["results"].items():
-        print(f"{n:18s} {r['layers']:2d}L steps {r['steps']:5d}  held-out τ {r['held_out_tau_start']:.3f} -> {r['held_out_tau']:.3f}  "
-              f"{r.get('ratio_vs_reference', 1.0):.3f}× {args.reference} {r.get('ratio_ci95', '')}  draft 1 right {r['draft1']}")
-    return 0
+    steps = Steps(raw=raw_path(args.json))
+    doc = run(bundle, examples, args.minutes, names, args.eval_n, args.eval_tokens, args.data_dir, Path(args.json), args.reference, steps=steps)
+    with steps.step("print"):
+        for n, r in doc["results"].items():
+            ratio = r.get("ratio_vs_reference", 1.0)
+            print(f"{n:18s} {r['layers']:2d}L steps {r['steps']:5d}  held-out τ {r['held_out_tau_start']:.3f} -> {r['held_out_tau']:.3f}  "
+                  f"{'—' if ratio is None else f'{ratio:.3f}'}× {args.reference} {r.get('ratio_ci95', '')}  draft 1 right {r['draft1']}")
+    return steps.finish(Path(args.json), doc)
 
 
 if __name__ == "__main__":

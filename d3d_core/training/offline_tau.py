@@ -18,6 +18,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
 from ..measure.datasets import BENCHMARKS, data_dir, load_benchmark
+from ..measure.rawfirst import Steps, raw_path
 from ..models import fastops
 from ..models.bundles import ASSETS, cache_dir, get_bundle
 from ..models.drafters import D3DDrafter, DFlashDrafter, DrafterConfig, build_drafter, load_drafter
@@ -241,10 +242,14 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--stride", type=int, default=2)
     ap.add_argument("--int8", action="store_true", help="run the D3D drafters' MLPs and head in int8, as decoding does")
+    ap.add_argument("--out", default=None, help="also write the scores as JSON (each drafter's reaches <out stem>.raw.json as soon as it is measured)")
     args = ap.parse_args(argv)
 
     bundle = get_bundle(args.bundle)
     seqs, f = held_out_set(bundle, args.data_dir, args.n, args.tokens)
+    steps = Steps(raw=raw_path(args.out) if args.out else None)
+    doc = {"bundle": args.bundle, "held_out": str(f), "n_seqs": len(seqs), "block_size": args.block_size, "stride": args.stride,
+           "int8": args.int8, "drafters": []}
     print(f"{len(seqs)} held-out sequences ({f}), B={args.block_size}, stride {args.stride}")
     first = None  # (τ, per-sequence sums) of the first drafter that loads: the reference for the ratios
     for path in args.drafters:
@@ -254,14 +259,24 @@ def main(argv=None) -> int:
             print(f"{path}: cannot load ({e})", file=sys.stderr)
             continue
         t, per = offline_tau(d, seqs, B=args.block_size, stride=args.stride, target=bundle.target, per_seq=True, int8=args.int8)
+        rec = {"path": str(path), "kind": d.cfg.kind, "layers": len(d.active_layers()), "step": step, "tau": t, "per_seq": per}
+        doc["drafters"].append(rec)
+        if args.out:  # raw results first (rawfirst): this drafter's score is on disk before the comparison runs
+            steps.save_raw(doc)
         vs = ""
         if first is None:
             first = (t, per)
         else:  # paired with the first drafter on the same sequences
-            lo, hi = paired_ratio_ci(per, first[1])
-            vs = f"  ({t / first[0]:.1%} of the first, 95 % CI {lo:.1%}–{hi:.1%})"
-        print(f"{t:.3f}  {d.cfg.kind} {len(d.active_layers())}L" + (f" step {step}" if step is not None else "") + f"  {path}{vs}")
-    return 0
+            ci = steps.run(f"paired interval ({path})", paired_ratio_ci, per, first[1])
+            rec["ratio_vs_first"] = t / first[0] if first[0] else None
+            rec["ratio_ci95"] = ci
+            ratio = "—" if rec["ratio_vs_first"] is None else f"{rec['ratio_vs_first']:.1%}"
+            vs = f"  ({ratio} of the first" + (f", 95 % CI {ci[0]:.1%}–{ci[1]:.1%})" if ci else ")")
+        with steps.step("print"):
+            print(f"{t:.3f}  {d.cfg.kind} {len(d.active_layers())}L" + (f" step {step}" if step is not None else "") + f"  {path}{vs}")
+    if args.out:
+        return steps.finish(args.out, doc)
+    return steps.exit_code()
 
 
 if __name__ == "__main__":

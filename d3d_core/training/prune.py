@@ -10,7 +10,9 @@ drafter. Writes ``{"layers", "order", "curve": [{"removed", "kept", "tau", "tau_
 "tau_eval", "tau_eval_rel", "tau_eval_rel_ci"}], "marginal_cost": {layer: Δτ}}`` and, with
 ``--calib-out``, the calibration sequences the app uses for live τ. ``tau_eval_rel_ci`` is a
 95 % paired-bootstrap interval over the held-out sequences: with ~50 prompts a 1 % gap can be
-noise, and the 99 % question needs to say so.
+noise, and the 99 % question needs to say so. Raw results first (``rawfirst``): the measured curve
+reaches ``<out stem>.raw.json`` (and each healed point joins it) before any summary or schema check;
+a failing step is named on stderr and in ``failed_steps``, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..measure.rawfirst import Steps, raw_path, write_json_atomic
 from ..models.bundles import ASSETS, cache_dir, get_bundle
 from ..models.drafters import load_drafter
 from ..schemas import checked
@@ -115,7 +118,7 @@ def best_within(curve: dict, keep: float = 0.99, key: str = "tau_eval_rel", heal
 
 def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, calib: list, eval_seqs: list, out: Path,
          steps: int = 150, lr: float = 1e-4, control: bool = True, B: int = 8, stride: int = 4, progress: bool = True,
-         kd: float = 0.0) -> dict:
+         kd: float = 0.0, guard: Optional[Steps] = None, save=None) -> dict:
     """Short healing fine-tune of the pruned drafters at ``removed_counts`` (layers from the
     greedy order skipped, so they get no gradient), each resumable under ``out/removed-<k>``.
 
@@ -126,9 +129,14 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     and ``heal_control`` to the curve; returns the curve.
 
     ``kd`` = α > 0 also distils the unpruned drafter's block distributions into each one
-    (loss (1-α)·CE + α·KL, see ``train.d3d_loss``); the control gets the same recipe."""
+    (loss (1-α)·CE + α·KL, see ``train.d3d_loss``); the control gets the same recipe.
+
+    ``save``: called with the curve after each healed drafter is measured (the command writes its raw
+    file there, so a later failure loses no earlier point); ``guard``: the
+    :class:`~d3d_core.measure.rawfirst.Steps` that runs the closing summary (``best_99_healed``)."""
 
     L = drafter.cfg.num_layers
+    guard = guard if guard is not None else Steps()
     base_skip = set(drafter.cfg.skip_layers)
     cfg = TrainConfig(kind="d3d", layers=L, block_size=drafter.cfg.block_size, steps=steps, lr=lr, warmup=min(20, steps // 5 + 1),
                       eval_every=steps, eval_seqs=8, ckpt_every=max(10, steps // 6), kd_alpha=kd)
@@ -144,7 +152,8 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
     ref_tau, ref_eval, ref_per = tau_pair(unpruned)  # = the curve's first point, re-measured for the pairing
     if control:
         res = train(bundle, examples, cfg, out / "control", progress=progress, init=unpruned,
-                    init_note=f"healing control: the unpruned drafter fine-tuned {steps} steps like the pruned ones", teacher=teacher)
+                    init_note=f"healing control: the unpruned drafter fine-tuned {steps} steps like the pruned ones", teacher=teacher,
+                    guard=guard)
         ctl = load_drafter(res["out"], bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
         t, te, per = tau_pair(ctl)
         curve["heal_control"] = {**recipe, "tau": t, "tau_eval": te}
@@ -152,6 +161,8 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
             curve["heal_control"]["tau_eval_rel_ci"] = paired_ratio_ci(per, ref_per)  # control vs original
         print(f"control (unpruned + {steps} steps) saved in {res['out']}", file=sys.stderr)
         ref_tau, ref_eval, ref_per = t, te, per
+        if save:
+            save(curve)
     else:
         curve.pop("heal_control", None)  # a reused curve's control measured another recipe
     for k in removed_counts:
@@ -160,7 +171,7 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
             raise ValueError(f"no pruning point with {k} layers removed (curve has 1..{len(curve['curve']) - 1})")
         skip = sorted(base_skip | set(curve["order"][:k]))
         res = train(bundle, examples, cfg, out / f"removed-{k}", progress=progress, init=drafter.pruned(skip),
-                    init_note=f"healing after pruning layers {curve['order'][:k]} ({k} of {L})", teacher=teacher)
+                    init_note=f"healing after pruning layers {curve['order'][:k]} ({k} of {L})", teacher=teacher, guard=guard)
         healed = load_drafter(res["out"], bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
         t, te, per = tau_pair(healed)
         point["healed"] = {**recipe, "tau": t, "tau_rel": t / ref_tau if ref_tau else 0.0}
@@ -169,8 +180,10 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
             point["healed"]["tau_eval"] = te
             point["healed"]["tau_eval_rel"] = te / ref_eval if ref_eval else 0.0
             point["healed"]["tau_eval_rel_ci"] = paired_ratio_ci(per, ref_per)
+        if save:
+            save(curve)
     curve["heal_reference"] = "heal_control" if control else "unpruned"
-    curve["best_99_healed"] = best_within(curve, healed=True)
+    curve["best_99_healed"] = guard.run("best_99_healed", best_within, curve, healed=True)
     return curve
 
 
@@ -222,6 +235,11 @@ def main(argv=None) -> int:
         calib, evals = seqs[:2], seqs[2:]
     L = drafter.cfg.num_layers
     t0 = time.time()
+    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
+    steps = Steps(raw=raw_path(out))
+    if args.calib_out:  # samples: written before anything is measured on them
+        write_json_atomic(args.calib_out, {"bundle": args.bundle, "seqs": [
+            {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in calib]}, indent=None)
     if args.curve:
         curve = json.loads(Path(args.curve).read_text())
         if evals and curve.get("eval_seqs") == len(evals) and any("tau_eval_rel_ci" not in p for p in curve["curve"]):
@@ -237,40 +255,47 @@ def main(argv=None) -> int:
         curve["bundle"] = args.bundle
         curve["drafter"] = drafter.cfg.training or "untrained"
         curve["wall_time_s"] = time.time() - t0
-        curve["best_99"] = best_within(curve)
-    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(checked("pruning curve", curve), indent=1))  # the greedy curve survives a killed healing run
+    steps.save_raw(curve)  # raw results first (rawfirst): the measured curve, before any summary or schema check
+    if not args.curve:
+        curve["best_99"] = steps.run("best_99", best_within, curve)
+
+    def write(o, c):
+        write_json_atomic(o, checked("pruning curve", c))
+
     if heal_ks:
+        steps.run("write", write, out, steps.record(curve))  # the greedy curve survives a killed healing run
 
         out_heal = Path(args.heal_out) if args.heal_out else cache_dir() / "runs" / f"heal-{args.bundle}"
         try:
             heal(bundle, drafter, curve, heal_ks, ex, calib, evals, out_heal, steps=args.heal_steps, lr=args.heal_lr,
-                 control=not args.no_heal_control, B=args.block_size, stride=args.stride, kd=args.heal_kd)
+                 control=not args.no_heal_control, B=args.block_size, stride=args.stride, kd=args.heal_kd,
+                 guard=steps, save=steps.save_raw)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    out.write_text(json.dumps(checked("pruning curve", curve), indent=1))
-    if args.calib_out:
-        Path(args.calib_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.calib_out).write_text(json.dumps({"bundle": args.bundle, "seqs": [
-            {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in calib]}))
+    with steps.step("print"):
+        print_curve(curve, out)
+    return steps.finish(out, curve, write=write)
+
+
+def print_curve(curve: dict, out) -> None:
+    """The curve on stdout (held-out τ and intervals where measured), the best point within 99 % on stderr."""
     def ci(q):
-        return f" [95 % CI {q['tau_eval_rel_ci'][0]:.1%}–{q['tau_eval_rel_ci'][1]:.1%}]" if "tau_eval_rel_ci" in q else ""
+        return f" [95 % CI {q['tau_eval_rel_ci'][0]:.1%}–{q['tau_eval_rel_ci'][1]:.1%}]" if q.get("tau_eval_rel_ci") else ""
 
     for p in curve["curve"]:
-        ev = f"  held-out τ {p['tau_eval']:.3f} ({p['tau_eval_rel']:.1%}){ci(p)}" if "tau_eval" in p else ""
+        ev = f"  held-out τ {p['tau_eval']:.3f} ({p['tau_eval_rel']:.1%}){ci(p)}" if p.get("tau_eval") is not None else ""
         print(f"removed {p['removed']:2d}  τ {p['tau']:.3f} ({p['tau_rel']:.1%}){ev}  kept {p['kept']}")
-        if "healed" in p:
+        if p.get("healed"):
             h = p["healed"]
-            hev = f"  held-out τ {h['tau_eval']:.3f} ({h['tau_eval_rel']:.1%}){ci(h)}" if "tau_eval" in h else ""
-            print(f"   healed ({h['steps']} steps)  τ {h['tau']:.3f} ({h['tau_rel']:.1%}){hev}  [vs {curve['heal_reference']}]")
+            hev = f"  held-out τ {h['tau_eval']:.3f} ({h['tau_eval_rel']:.1%}){ci(h)}" if h.get("tau_eval") is not None else ""
+            print(f"   healed ({h['steps']} steps)  τ {h['tau']:.3f} ({h['tau_rel']:.1%}){hev}  [vs {curve.get('heal_reference')}]")
     if "heal_control" in curve:
         c = curve["heal_control"]
         print(f"control: unpruned + {c['steps']} steps  τ {c['tau']:.3f}" + (f"  held-out τ {c['tau_eval']:.3f}" if c.get("tau_eval") else ""))
+    best = curve.get("best_99")
     healed = f", {curve['best_99_healed']['removed']} after healing" if curve.get("best_99_healed") else ""
-    print(f"best within 99 %: {curve['best_99']['removed']} layers removed{healed}; wrote {out}", file=sys.stderr)
-    return 0
+    print(f"best within 99 %: {best['removed'] if best else 'none'} layers removed{healed}; wrote {out}", file=sys.stderr)
 
 
 __all__ = ["progressive_prune", "best_within", "heal", "add_held_out_ci", "CalibSeq"]

@@ -8,7 +8,8 @@ self-distillation data (``--source distill``), or of the training files' human-w
 answers (``--source references``: no distillation needed), plus the end-of-turn tokens, instead
 of the whole vocabulary: its LM-head matmul shrinks V/K times. Decoding stays lossless (see ``_DrafterBase.logits``); what
 it can cost is τ, when the target's next token is not in the list. The command reports the
-held-out coverage and offline τ with and without the list, then writes it into config.json.
+held-out coverage and offline τ with and without the list, and writes it (with those figures) into
+config.json, atomically, before the report is printed (``rawfirst``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..measure.datasets import load_training_references
+from ..measure.rawfirst import Steps, write_json_atomic
 from ..models.bundles import get_bundle
 from ..models.drafters import load_drafter
 from .distill import distill_dir, read_examples
@@ -76,15 +78,18 @@ def main(argv=None) -> int:
     full = offline_tau(drafter.shortlisted(()), held, **kw)
     short = offline_tau(drafter.shortlisted(ids), held, **kw) if ids else full
     cov = coverage(ids, held) if ids else 1.0
-    print(f"shortlist {len(ids) or 'off'}: held-out coverage {cov:.2%}, offline τ {short:.3f} vs {full:.3f} with the whole vocabulary")
-    if not args.dry_run:
+    steps = Steps(raw=None if args.dry_run else d / "config.json")
+    if not args.dry_run:  # the result (the list and what it measured) reaches config.json before the report
         cfg = json.loads((d / "config.json").read_text())
         cfg["vocab_shortlist"] = list(ids)
         cfg.setdefault("training", {})["shortlist"] = {"size": len(ids), "source": args.source, "heldout_coverage": round(cov, 4),
                                                         "offline_tau": round(short, 4), "offline_tau_full_vocab": round(full, 4)}
-        (d / "config.json").write_text(json.dumps(cfg))
-        print(f"wrote {d / 'config.json'}", file=sys.stderr)
-    return 0
+        write_json_atomic(d / "config.json", cfg, indent=None)
+    with steps.step("report"):
+        print(f"shortlist {len(ids) or 'off'}: held-out coverage {cov:.2%}, offline τ {short:.3f} vs {full:.3f} with the whole vocabulary")
+        if not args.dry_run:
+            print(f"wrote {d / 'config.json'}", file=sys.stderr)
+    return steps.exit_code()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ cross-entropy on its context stream (the auxiliary AR supervision). The target's
 and LM head stay frozen. Every ``--ckpt-every`` steps the drafter and the optimizer state are
 written as safetensors (+ JSON) to ``--out``; rerunning the same command resumes there.
 ``--init`` fine-tunes a trained drafter (e.g. the shipped one on newly distilled data) instead.
+A held-out evaluation, log or report that fails is named on stderr (``rawfirst``), the checkpoint
+is still written and the command exits 1.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..measure.rawfirst import Steps
 from ..models import fastops
 from ..models.bundles import BUNDLES, get_bundle, init_drafter
 from ..models.drafters import D3DDrafter, DFlashDrafter, build_drafter
@@ -303,7 +306,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 @fastops.exact  # a frozen teacher drafter runs under no_grad: keep it fp32, like the stored weights
 def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = True, log=None, reload=None,
-          init=None, init_note: str = "", teacher=None, stop_after: int | None = None) -> dict:
+          init=None, init_note: str = "", teacher=None, stop_after: int | None = None, guard: Steps | None = None) -> dict:
     """Train (or resume) a drafter of cfg.kind on examples; returns a summary dict.
     ``reload``: optional callable returning a fresh example list, called at every eval
     (training can start while the self-distillation data is still being generated).
@@ -312,11 +315,17 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     ``teacher``: a frozen D3D drafter whose block distributions the drafter also learns
     (weight ``cfg.kd_alpha``), e.g. the unpruned drafter when healing a pruned one.
     ``stop_after``: run at most this many steps now (checkpointed; calling again continues on
-    the same schedule) — for sessions shorter than a run, and for comparing recipes at equal steps."""
+    the same schedule) — for sessions shorter than a run, and for comparing recipes at equal steps.
+    ``guard``: the :class:`~d3d_core.measure.rawfirst.Steps` that runs the post-processing between
+    checkpoints (held-out evaluation after step 0, data reload, log, the final provenance) — a failing
+    one is recorded (``failed_steps`` in the result, offline τ None at that point) and never costs the
+    checkpoint. The evaluation before step 0 is not guarded: a run that cannot be scored fails before any work."""
     from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    guard = guard if guard is not None else Steps(raw=out / "ckpt")
+    n_failed = len(guard.failed)
     torch.manual_seed(cfg.seed)
     if init is not None:
         if init.cfg.kind != cfg.kind:
@@ -393,37 +402,49 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
         torch.nn.utils.clip_grad_norm_(own, 1.0)
         opt.step()
         loss_ema = tot if loss_ema is None else 0.95 * loss_ema + 0.05 * tot
-        bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{bl:.3f}", ar=f"{arl:.3f}", tau=f"{history[-1]['offline_tau']:.2f}")
+        bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{bl:.3f}", ar=f"{arl:.3f}", tau=_tau_text(history[-1]["offline_tau"]))
         bar.update(1)
         done = step + 1
         if done % cfg.eval_every == 0 or done == end:  # end: the last step of this run or of the schedule
             if reload is not None:
-                fresh = [e for e in reload() if not is_holdout(e["id"], cfg.holdout_pct)]
+                fresh = guard.run("reload", lambda: [e for e in reload() if not is_holdout(e["id"], cfg.holdout_pct)], default=[])
                 if len(fresh) > len(train_ex):
                     train_ex = fresh
-            history.append({"step": done, "offline_tau": evaluate(), "loss": loss_ema, "tokens_seen": tokens_seen,
-                            "elapsed_s": time.time() - t0, "cpu_s": round(cpu_base + time.process_time() - cpu0, 1),
-                            "train_examples": len(train_ex)})
+            # held-out τ is a summary of the weights: a failure leaves None here, the checkpoint below is still written
+            history.append({"step": done, "offline_tau": guard.run(f"evaluate (step {done})", evaluate), "loss": loss_ema,
+                            "tokens_seen": tokens_seen, "elapsed_s": time.time() - t0,
+                            "cpu_s": round(cpu_base + time.process_time() - cpu0, 1), "train_examples": len(train_ex)})
             if log:
-                log(history[-1])
+                guard.run("log", log, history[-1])
         if done % cfg.ckpt_every == 0 or done == cfg.steps or done == end:
             save_checkpoint(out, drafter, opt, done, cfg, history, {"head_rows": head_rows})
     bar.close()
+    failed = {"failed_steps": guard.failed[n_failed:]} if len(guard.failed) > n_failed else {}
     if end < cfg.steps:  # stopped early on purpose: the checkpoint is the result so far
-        return {"offline_tau": history[-1]["offline_tau"], "history": history, "out": str(out / "ckpt"), "stopped_at": end}
+        return {"offline_tau": history[-1]["offline_tau"], "history": history, "out": str(out / "ckpt"), "stopped_at": end, **failed}
     drafter.eval()
     final_tau = history[-1]["offline_tau"]
-    info = {
-        "data_examples": len(train_ex), "data_tokens": sum(len(e["response_ids"]) for e in train_ex),
-        "steps": cfg.steps, "tokens_seen": tokens_seen, "offline_tau": round(final_tau, 4),
-        "offline_tau_block": cfg.block_size, "train_config": asdict(cfg),
-    }
-    if init is not None:  # keep the history: what it was fine-tuned from, and how
-        info = {**info, "fine_tune_note": init_note, "fine_tuned_from": init.cfg.training or "untrained"}
+
+    def provenance() -> dict:
+        info = {
+            "data_examples": len(train_ex), "data_tokens": sum(len(e["response_ids"]) for e in train_ex),
+            "steps": cfg.steps, "tokens_seen": tokens_seen, "offline_tau": None if final_tau is None else round(final_tau, 4),
+            "offline_tau_block": cfg.block_size, "train_config": asdict(cfg),
+        }
+        if init is not None:  # keep the history: what it was fine-tuned from, and how
+            info = {**info, "fine_tune_note": init_note, "fine_tuned_from": init.cfg.training or "untrained"}
+        return info
+
+    info = guard.run("provenance", provenance, default={"steps": cfg.steps, "offline_tau": None, "train_config": asdict(cfg)})
     trained = replace(drafter.cfg, training=info)
     drafter.cfg = trained
     drafter.save(out / "final")
-    return {"offline_tau": final_tau, "history": history, "out": str(out / "final")}
+    failed = {"failed_steps": guard.failed[n_failed:]} if len(guard.failed) > n_failed else {}
+    return {"offline_tau": final_tau, "history": history, "out": str(out / "final"), **failed}
+
+
+def _tau_text(t) -> str:
+    return "—" if t is None else f"{t:.2f}"
 
 
 def main(argv=None) -> int:
@@ -462,15 +483,18 @@ def main(argv=None) -> int:
         if not args.preset and args.kind is None:
             cfg = replace(cfg, kind=init.cfg.kind)
         cfg = replace(cfg, layers=init.cfg.num_layers, block_size=args.block_size or init.cfg.block_size)
+    guard = Steps(raw=Path(args.out) / "ckpt")  # raw results: the checkpoint, written before any summary runs
     try:
         res = train(bundle, examples, cfg, Path(args.out), log=lambda h: print(json.dumps(h), file=sys.stderr),
                     reload=lambda: read_examples(data), stop_after=args.stop_after, init=init,
-                    init_note=f"fine-tuned from {args.init}" if init is not None else "")
+                    init_note=f"fine-tuned from {args.init}" if init is not None else "", guard=guard)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"offline_tau": res["offline_tau"], "out": res["out"], **({"stopped_at": res["stopped_at"]} if "stopped_at" in res else {})}))
-    return 0
+    with guard.step("report"):
+        print(json.dumps(guard.record({"offline_tau": res["offline_tau"], "out": res["out"],
+                                       **({"stopped_at": res["stopped_at"]} if "stopped_at" in res else {})})))
+    return guard.exit_code()
 
 
 if __name__ == "__main__":
