@@ -8,6 +8,7 @@ new one is written, so their number stays bounded however long the server runs."
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 import tempfile
@@ -103,6 +104,7 @@ def snapshot(demo=None) -> dict:
     n_tmp, tmp_bytes = _temp_usage()
     with _LOCK:
         counts = dict(_COUNTS)
+    heap = heap_info()
     return {
         "status": "ok", "uptime_s": round(time.time() - STARTED, 1), "races_served": counts["races"],
         "races_stopped": counts["stopped"], "races_failed": counts["failed"],
@@ -110,6 +112,8 @@ def snapshot(demo=None) -> dict:
         "queue_max": getattr(getattr(demo, "_queue", None), "max_size", None) if demo is not None else None,
         "rss_mib": round(rss / 2**20, 1), "threads": threads, "open_fds": fds,
         "temp_files": n_tmp, "temp_bytes": tmp_bytes, "pid": os.getpid(),
+        "heap_in_use_mib": heap.get("in_use_mib"), "heap_free_mib": heap.get("free_mib"), "heap_mmap_mib": heap.get("mmap_mib"),
+        "py_threads": py_threads(),
     }
 
 
@@ -137,7 +141,6 @@ _LIBC = None
 def _libc():
     global _LIBC
     if _LIBC is None:
-        import ctypes
         import ctypes.util
 
         try:
@@ -163,6 +166,34 @@ def tune_malloc() -> bool:
     lib.mallopt(M_TRIM_THRESHOLD, 1024 * 1024)
     lib.mallopt(M_ARENA_MAX, 2)
     return True
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_info() -> dict:
+    """glibc's heap, from ``mallinfo2``: bytes the program holds (in use, mmapped chunks included) against
+    bytes free inside the heap. A leak grows ``in_use``; fragmentation grows ``free`` with ``in_use`` flat.
+    {} where ``mallinfo2`` is missing (not glibc, or glibc < 2.33)."""
+    lib = _libc()
+    fn = getattr(lib, "mallinfo2", None) if lib else None
+    if fn is None:
+        return {}
+    fn.restype = _Mallinfo2
+    m = fn()
+    mib = 2**20
+    return {"in_use_mib": round((m.uordblks + m.hblkhd) / mib, 2), "free_mib": round(m.fordblks / mib, 2), "mmap_mib": round(m.hblkhd / mib, 2)}
+
+
+def py_threads() -> dict:
+    """Python threads by name prefix (``AnyIO worker thread``: 3, ...): which pool grew when the thread count does."""
+    out: dict = {}
+    for t in threading.enumerate():
+        key = t.name.rstrip("0123456789-_ ").split(" (")[0] or "thread"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def trim() -> None:
