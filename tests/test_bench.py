@@ -163,3 +163,24 @@ def test_compare_drafting_runs_both_rules_and_counts_skipped_rounds(tmp_path):
         if r["mode"] not in ("hf-generate", "hf-prompt-lookup"):  # the histogram counts drafted rounds only (and ar's steps)
             assert sum(r["accepted_hist"].values()) == r["rounds"] - r["skipped_rounds"]
     assert {s["mode"]: s["skipped"] for s in res["summary"]}["ar"] is None
+
+
+def test_one_prompt_timed_n_times_gives_each_modes_spread(tmp_path, capsys):
+    """--prompt times one prompt (text or @file) --n times, so a race on it can be set against the bench's spread."""
+    from d3d_core.measure.datasets import prompt_items
+
+    f = tmp_path / "p.txt"
+    f.write_text("How many muffins do seven bakers bake?\n")
+    assert [it.text for it in prompt_items("@" + str(f), 2)] == ["How many muffins do seven bakers bake?"] * 2
+    with pytest.raises(ValueError):
+        prompt_items("   ")
+    assert bench.main(["--bundle", "toy", "--prompt", "@" + str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.json")]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    out = tmp_path / "b.json"
+    assert bench.main(["--bundle", "toy", "--modes", "ar,d3d-seq", "--prompt", "@" + str(f), "--n", "3", "--max-new-tokens", "8",
+                       "--peers", "none", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads(out.read_text())
+    assert {r["id"] for r in res["rows"]} == {"r0", "r1", "r2"} and {r["dataset"] for r in res["rows"]} == {"prompt"}
+    sp = res["speedup_spread"]["prompt"]["d3d-seq"]
+    assert sp["n"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
+    assert "speedup per prompt" in capsys.readouterr().out

@@ -35,7 +35,7 @@ from ..models.bundles import get_bundle
 from ..models.drafters import load_drafter
 from ..schemas import checked
 from .costs import costs_text, probe_costs
-from .datasets import load_benchmark, parse_datasets
+from .datasets import load_benchmark, parse_datasets, prompt_items
 from .latency import mean_span, validate, validate_in_run
 from .machine import QuietWatch, machine_info, step_reference
 from .peers import PEERS, run_peer
@@ -225,6 +225,24 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
     return rows
 
 
+def speedup_spread(rows: list) -> dict:
+    """{dataset: {mode: {"median", "min", "max", "n"}}}: each prompt's own speedup over its own ``ar`` run (time per
+    output token, prefill excluded), so a reading on one prompt (a race, or ``--prompt``) can be set against the spread
+    of prompts or of repeats. Modes without an ``ar`` partner on a prompt are left out."""
+    import statistics
+
+    ar = {(r["dataset"], r["id"]): r for r in rows if r["mode"] == "ar"}
+    per: dict = {}
+    for r in rows:
+        a = ar.get((r["dataset"], r["id"]))
+        if r["mode"] == "ar" or a is None:
+            continue
+        toks, a_toks = max(r["n_tokens"] - 1, 0), max(a["n_tokens"] - 1, 0)
+        if toks and a_toks and r["decode_time_s"] > 0:
+            per.setdefault(r["dataset"], {}).setdefault(r["mode"], []).append((a["decode_time_s"] / a_toks) / (r["decode_time_s"] / toks))
+    return {ds: {m: {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} for m, xs in ms.items()} for ds, ms in per.items()}
+
+
 def acceptance_hists(rows: list) -> dict:
     """{dataset: {mode: {accepted: count}}} summed over items (the block size of the main run)."""
     out: dict = {}
@@ -272,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", "-n", "--num-prompts", dest="n", type=int, default=5,
                    help="prompts per dataset (under torchrun write -n: torchrun claims --n as an abbreviation)")
     p.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
+    p.add_argument("--prompt", default=None, metavar="TEXT|@FILE",
+                   help="time one prompt instead of datasets (the text, or @ a file holding it), --n times: what a race on it should read")
     for f in ("max_new_tokens", "block_size", "hypotheses", "threads"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(DecodeConfig(), f))
     p.add_argument("--temperature", type=float, default=0.0)
@@ -316,13 +336,14 @@ def main(argv=None) -> int:
             peers = []  # peers are greedy baselines
         fastops.set_enabled(args.engine == "fast")
         fastops.set_int8(args.drafter_int8 == "on")
-        datasets = parse_datasets(args.datasets)
+        datasets = ["prompt"] if args.prompt is not None else parse_datasets(args.datasets)
         base = DecodeConfig(
             mode=modes[0], block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             hypotheses=args.hypotheses, sampling=args.sampling, seed=args.seed, threads=args.threads, verify=args.verify,
             drafting=args.drafting,
         ).validated()
-        items_by_ds = {ds: load_benchmark(ds, args.n, args.seed, args.data_dir) for ds in datasets}
+        items_by_ds = ({"prompt": prompt_items(args.prompt, args.n)} if args.prompt is not None
+                       else {ds: load_benchmark(ds, args.n, args.seed, args.data_dir) for ds in datasets})
         bundle = get_bundle(args.bundle, args.device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -383,6 +404,7 @@ def main(argv=None) -> int:
                       default=heard)
     result["quiet"] = quiet.to_json()
     result["acceptance_hist"] = steps.run("acceptance_hist", acceptance_hists, main_rows, default={})
+    result["speedup_spread"] = steps.run("speedup_spread", speedup_spread, main_rows, default={})
     if len(block_sizes) > 1:
         result["sweep"] = steps.run("sweep", sweep_table, rows, datasets, modes, block_sizes, plans[0], default={})
     if len(plans) > 1:
@@ -407,6 +429,11 @@ def print_result(result: dict, B: int) -> None:
     """The bench's report on stdout: summary table, plans, sweep, cost probe and latency-model checks."""
     print(f"{result['machine'].get('cpu', '?')}, {result['engine'].get('target', '?')} engine")
     print(table_text(result["summary"]))
+    spread = result.get("speedup_spread") or {}
+    if spread:
+        print("\nspeedup per prompt (median, min-max over prompts or repeats):")
+        for ds, ms in spread.items():
+            print(f"  {ds:10s} " + "  ".join(f"{m}: {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f}, n {x['n']})" for m, x in ms.items()))
     if result.get("plan_compare"):
         print(f"\nplans at B={B} (τ / speedup / rounds skipped by the draft gate):")
         for m, pts in result["plan_compare"].items():

@@ -132,6 +132,21 @@ def load_benchmark(name: str, n: Optional[int] = None, seed: int = 0, root: Opti
     return [items[i] for i in order]
 
 
+def prompt_items(spec: str, repeats: int = 1) -> list:
+    """One prompt, ``repeats`` times (dataset ``prompt``): ``spec`` is the prompt itself, or ``@PATH`` of a text
+    file holding it. The bench times it like a dataset, so a race on the same prompt can be checked against it."""
+    text = spec
+    if spec.startswith("@"):
+        path = Path(spec[1:])
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    text = text.strip()
+    if not text:
+        raise ValueError("--prompt is empty")
+    return [Item("prompt", f"r{i}", _user(text)) for i in range(max(1, repeats))]
+
+
 def parse_datasets(spec: str) -> list:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["all"]:
