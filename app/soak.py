@@ -543,8 +543,10 @@ def soak_figure(doc: dict):
     fig.add_trace(go.Scatter(x=x, y=[r["queue"] or 0 for r in s], name="queued", mode="lines"), 2, 2)
     fig.update_xaxes(title_text="races served", row=2)
     cfg = doc.get("config", {})
+    failed = [k for k, ok in v.get("pass", {}).items() if not ok]
+    judged = ("failed: " + ", ".join(failed)) if failed else ("passed" if v.get("pass") else "not judged")
     fig.update_layout(height=620, title=f"Soak: {v.get('races', 0)} races, {cfg.get('visitors')} visitors, bundle {cfg.get('bundle')}, "
-                                        f"{v.get('errors', 0)} errors", showlegend=True)
+                                        f"{v.get('errors', 0)} errors · verdict {judged}", showlegend=True)
     return fig
 
 
