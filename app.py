@@ -1,17 +1,35 @@
 """D3D Studio: `python app.py` serves the app (honours GRADIO_SERVER_NAME / GRADIO_SERVER_PORT).
 
-`demo` is the Gradio Blocks app; Hugging Face Spaces imports this file.
+`demo` is the Gradio Blocks app; Hugging Face Spaces imports this file. A deployment recipe made by
+``scripts/make_space.py`` may ship ``space-defaults.env`` next to it (KEY=VALUE lines, e.g. the GPU Space's
+``D3D_BUNDLE=qwen3-8b``): each is a default that the Space's own variables override. With ``D3D_PRELOAD=1``
+the opening bundle is loaded at start-up, in the main process (ZeroGPU's rule: models load outside the GPU window).
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+_DEFAULTS = Path(__file__).with_name("space-defaults.env")
+if _DEFAULTS.is_file():
+    for _line in _DEFAULTS.read_text(encoding="utf-8").splitlines():
+        _key, _eq, _value = _line.strip().partition("=")
+        if _eq and _key and not _key.startswith("#"):
+            os.environ.setdefault(_key.strip(), _value.strip())
+
 from d3d_core.limits import APP_KERNEL_CACHE  # noqa: E402  (no torch inside: the caps below must precede torch)
 
 for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # bounded kernel caches: a flat RSS for weeks
     os.environ.setdefault(var, str(APP_KERNEL_CACHE))
 
 from app.ui import build_demo  # noqa: E402  (the app/ package, not this file)
+
+if os.environ.get("D3D_PRELOAD") == "1":
+    from d3d_core import service  # noqa: E402
+
+    _why = service.preload(os.environ.get("D3D_BUNDLE") or service.app_bundle())  # the bundle asked for, never a stand-in
+    if _why:
+        print(f"[d3d] the opening bundle was not loaded at start-up: {_why}", flush=True)
 
 demo = build_demo()
 

@@ -1,12 +1,13 @@
 """The Gradio Blocks app. Layout and event wiring only: every picture comes from
 ``app.figures`` / ``app.tokens`` (pure functions of Traces); every computation from
-``d3d_core.service``. Per-user data lives in ``gr.State``; models are loaded once per
-process and shared read-only."""
+``d3d_core.service``. Per-user data lives in ``gr.State`` and is plain, picklable data (a race
+in flight is named by a run id; its cancel flag lives in ``app.runs``); models are loaded once per
+process, outside any GPU window, and shared read-only. The GPU work of a race is ``race_stream``
+(``@spaces.GPU`` on ZeroGPU, see ``app.spaces_gpu``)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import gradio as gr
@@ -16,9 +17,9 @@ from d3d_core.decoding.trace import MODES
 from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
 from d3d_core.measure.economics import race_economics
 
-from . import explain, figures, health
+from . import explain, figures, health, runs
 from .export import race_html, traces_json_of
-from .spaces_gpu import maybe_gpu
+from .spaces_gpu import PRUNING_SECONDS, maybe_gpu, stream_duration, zerogpu_installed
 from .tokens import ar_time_per_token, column_html, legend_html
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, drafting every round, the drafter as the
@@ -39,7 +40,9 @@ STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
 
 def empty_state() -> dict:
-    return {"bundle": service.DEFAULT_BUNDLE, "traces": {}, "pieces": {}, "skip": [], "cancel": None, "clock": service.MEASURED_CLOCK}
+    """A session's state: plain data only (strings, lists, dicts, Traces), so it pickles. ``run`` is the id of the
+    race in flight (``app.runs`` holds its cancel flag), None between races."""
+    return {"bundle": service.app_bundle(), "traces": {}, "pieces": {}, "skip": [], "run": None, "clock": service.MEASURED_CLOCK}
 
 
 def _traces(state) -> list:
@@ -132,65 +135,92 @@ def d3d_picker(bundle):
     return gr.update(choices=[(lab, n) for n, lab in names.items()], value="d3d", visible=len(names) > 1)
 
 
+def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter):
+    """The GPU part of a race: decode every mode, streaming (mode, trace, done). Its arguments and what it yields are
+    plain, picklable data; on ZeroGPU it runs in the GPU worker (``race_stream``), where the CUDA streams and events
+    of each decode are created. It stops at the race's cancel flag (``app.runs``) or, in a worker that cannot see
+    that flag, at the race's time limit."""
+    flag = runs.flag(run_id, APP_RACE_SECONDS)
+    yield from service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter)
+
+
+race_stream = maybe_gpu(_race_stream, duration=stream_duration)  # at import: ZeroGPU registers GPU functions before launch
+
+
+def _stream_is_remote() -> bool:
+    """Whether race_stream runs in another process (ZeroGPU's worker), where the cancel flag cannot reach it: the
+    handler then stops reading it instead."""
+    return zerogpu_installed() and bool(os.environ.get("SPACES_ZERO_GPU"))
+
+
 def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state,
              d3d_drafter="d3d"):
-    """Stream the race: columns after every round (throttled), plots at the end."""
+    """Stream the race: columns after every round (throttled), plots at the end. The bundle is loaded here, before
+    the GPU part (``race_stream``) is entered."""
     state = dict(state or empty_state())
     no = gr.skip()
     try:
         prompt = service.check_prompt(prompt)
         modes = service.check_modes(modes)
         base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting)
-        if bundle not in service.bundle_names():
-            raise ValueError(f"unknown bundle {bundle!r}; available: {', '.join(service.bundle_names())}")
+        bundle = service.check_bundle(bundle)
     except ValueError as e:
         gr.Warning(str(e))
         yield (f"**Error:** {e}", *[no] * 4, state)
         return
-    cancel = threading.Event()
-    state.update(bundle=bundle, traces={}, pieces={}, cancel=cancel)
-    yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
-           *_columns(state), state)
+    run_id = runs.start()
+    flag = runs.get(run_id)
+    state.update(bundle=bundle, traces={}, pieces={}, run=run_id)
+    gen = None
+    finished = False
     try:
-        info = service.bundle_summary(bundle)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        gr.Warning(str(e))
-        yield (f"**Error:** {e}", *[no] * 4, state)
-        return
-    skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
-    note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
-    d3d_drafter = d3d_drafter or "d3d"
-    if d3d_drafter != "d3d":
-        note += f" with the `{d3d_drafter}` D3D drafter"
-    last = 0.0
-    started = time.perf_counter()
-    timed_out = finished = False
-    gen = service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=cancel, d3d_drafter=d3d_drafter)
-    try:
-        for mode, tr, done in gen:
-            state["traces"][mode] = tr
-            now = time.perf_counter()
-            if now - started > APP_RACE_SECONDS and not cancel.is_set():
-                timed_out = True  # a shared server: nobody holds the decode lane for long
-                cancel.set()
-            if done or now - last >= STREAM_EVERY_S:
-                last = now
-                state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
-                yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …", *_columns(state, None if done else mode),
-                       state)
+        yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
+               *_columns(state), state)
+        skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
+        d3d_drafter = d3d_drafter or "d3d"
+        try:
+            info = service.bundle_summary(bundle)  # loads the bundle: once per process, outside any GPU window
+            service.check_race_drafter(bundle, d3d_drafter, skip)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            gr.Warning(str(e))
+            finished = True
+            yield (f"**Error:** {e}", *[no] * 4, state | {"run": None})
+            return
+        note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
+        if d3d_drafter != "d3d":
+            note += f" with the `{d3d_drafter}` D3D drafter"
+        last = 0.0
+        flag.start_clock(APP_RACE_SECONDS)  # a shared server: nobody holds the decode lane for long
+        remote = _stream_is_remote()
+        gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter)
+        try:
+            for mode, tr, done in gen:
+                state["traces"][mode] = tr
+                now = time.perf_counter()
+                if done or now - last >= STREAM_EVERY_S:
+                    last = now
+                    state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
+                    yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …",
+                           *_columns(state, None if done else mode), state)
+                if remote and flag.is_set():
+                    break  # the worker cannot see the flag: stop reading it (it also stops at its own time limit)
+        except ValueError as e:
+            health.count("failed")
+            gr.Warning(str(e))
+            finished = True
+            yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
+            return
         finished = True
-    except ValueError as e:
-        health.count("failed")
-        gr.Warning(str(e))
-        yield (f"**Error:** {e}", *_columns(state), state)
-        return
     finally:
         if not finished:  # the visitor left mid-race (Gradio closed this generator): free the lane now
-            cancel.set()
-        gen.close()
-    state["cancel"] = None
+            flag.set()
+        if gen is not None:
+            gen.close()
+        runs.finish(run_id)
+    state["run"] = None
     ran = [m for m in MODES if m in state["traces"]]
-    stopped = cancel.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
+    timed_out = flag.timed_out()
+    stopped = flag.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     health.count("stopped" if stopped else "races")
     health.trim()
     health.sweep()
@@ -203,6 +233,11 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         status += (f" · note: the {' and '.join(untrained)} drafter(s) of this bundle are untrained (initialised from "
                    "target layers), so drafts are rarely accepted and drafting modes run slower than ar; "
                    "the tokens are still exactly ar's")
+    shared = [k for k, v in info["drafters"].items() if str(v).startswith("shared-weight adapter")]
+    if shared and any(m.startswith("d3d") for m in ran):
+        status += (" · note: this bundle's D3D drafter is the target's own layers (shared, no copy) with untrained adapters: "
+                   "draft 1 is always the target's own token (τ ≥ 2 at temperature 0), the later drafts are rarely right, "
+                   "and each draft costs about one target forward")
     why = economics_sentences(state)
     if why and not stopped:
         status += "\n\n" + why
@@ -227,9 +262,7 @@ def _nrounds(state, mode):
 
 
 def stop_race(state):
-    ev = (state or {}).get("cancel")
-    if ev is not None:
-        ev.set()
+    runs.cancel((state or {}).get("run"))  # the server's flag for the race this session runs (none: nothing to do)
     return "Stopping after the current round…"
 
 
@@ -269,7 +302,7 @@ def step_round(mode, idx, delta, state):
 
 
 def layer_choices(bundle):
-    info = service.bundle_summary(bundle)
+    info = service.bundle_summary(service.check_bundle(bundle))
     return [f"L{i} (from target layer {src})" for i, src in enumerate(info["d3d_init_layers"])]
 
 
@@ -290,6 +323,16 @@ def load_pruning(bundle, state):
             figures.pruning_curve_figure(curve), figures.marginal_cost_figure(curve), state)
 
 
+def _pruned_tau(bundle, skip) -> tuple:
+    """(offline τ with ``skip``, τ with every layer, calibration anchors): the GPU part of the Pruning tab (it runs the
+    drafter, and on a bundle without a shipped calibration set the target too)."""
+    tau, full = service.offline_tau_live(bundle, skip)
+    return tau, full, service.calibration_size(bundle)
+
+
+pruned_tau = maybe_gpu(_pruned_tau, duration=PRUNING_SECONDS)
+
+
 def measure_pruned(bundle, active, state):
     state = dict(state or empty_state())
     try:
@@ -299,7 +342,7 @@ def measure_pruned(bundle, active, state):
         if len(skip) == len(choices):
             raise ValueError("keep at least one drafter layer")
         t0 = time.perf_counter()
-        tau, full = service.offline_tau_live(bundle, skip)
+        tau, full, n_anchors = pruned_tau(bundle, skip)
     except (ValueError, FileNotFoundError, OSError) as e:
         gr.Warning(str(e))
         return f"**Error:** {e}", gr.skip(), state
@@ -310,7 +353,7 @@ def measure_pruned(bundle, active, state):
              "from the cost breakdown)") if per_layer and skip else ""
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
            f"({tau / full:.1%} of the full drafter's {full:.3f}){saved} · measured in {time.perf_counter() - t0:.1f} s "
-           f"on {service.calibration_size(bundle)} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
+           f"on {n_anchors} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
 
 
@@ -402,6 +445,7 @@ def upload_traces(file, state):
 def build_demo() -> gr.Blocks:
     health.tune_malloc()
     lim = service.APP_LIMITS
+    home = service.app_bundle()  # the bundle the page opens on (D3D_BUNDLE on a GPU Space), one this host can run
     # delete_cache: Gradio's copies of served files (downloads, exports, uploads) go once past the app's temp-file age
     with gr.Blocks(title="D3D Studio", delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
         state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
@@ -420,10 +464,10 @@ def build_demo() -> gr.Blocks:
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
                                     label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
                     with gr.Column(scale=2):
-                        bundle = gr.Dropdown(service.bundle_names(), value=service.DEFAULT_BUNDLE, label="Bundle (target + drafters)")
+                        bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         with gr.Row():
-                            block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(service.DEFAULT_BUNDLE), step=1,
+                            block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                               label="Block size B (the bundle's fastest measured B is the default)")
                             hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)")
                         with gr.Row():
@@ -442,7 +486,7 @@ def build_demo() -> gr.Blocks:
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
                                                       "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
-                        d3d_names = service.d3d_drafters(service.DEFAULT_BUNDLE)
+                        d3d_names = service.d3d_drafters(home)
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep runs all of the target's layers (frozen) plus small trained adapters: its draft 1 is "
@@ -488,7 +532,7 @@ def build_demo() -> gr.Blocks:
                 econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)", interactive=False)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
-                gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(service.DEFAULT_BUNDLE), service.block_sweep_datasets(service.DEFAULT_BUNDLE)),
+                gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home)),
                         label="Speedup vs block size")
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
@@ -503,7 +547,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("**Measured** by `python -m d3d_core.measure.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
                             "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
                             "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
-                v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(service.DEFAULT_BUNDLE)
+                v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
                 b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
                 b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
                                        "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
@@ -528,7 +572,7 @@ def build_demo() -> gr.Blocks:
                             "not measurements; each cost profile states its source and assumptions.")
                 with gr.Row():
                     pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")
-                    m_tau, m_hit, m_B = service.measured_point(service.DEFAULT_BUNDLE)
+                    m_tau, m_hit, m_B = service.measured_point(home)
                     pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
                     pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
                 with gr.Row():
@@ -542,7 +586,7 @@ def build_demo() -> gr.Blocks:
                 pj_src = gr.Markdown()
             with gr.Tab("How it works", id="explain"):
                 gr.Markdown(explain.QUESTIONS, elem_id="questions")
-                gr.Markdown(explain.intro(service.cost_breakdown(service.DEFAULT_BUNDLE)), elem_id="intro")
+                gr.Markdown(explain.intro(service.cost_breakdown(home)), elem_id="intro")
                 gr.Plot(figures.diagram_ar(), label="AR")
                 gr.Markdown(explain.DRAFT_VERIFY)
                 gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
@@ -569,7 +613,7 @@ def build_demo() -> gr.Blocks:
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
         run_ev = run_btn.click(
-            maybe_gpu(run_race), [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick],
+            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick],
             race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )

@@ -26,6 +26,16 @@ APP_KERNEL_CACHE = 128
 # trace downloads / race exports (the app's and Gradio's copies) older than this are deleted
 APP_TEMP_MAX_AGE_S = max(10, int(os.environ.get("D3D_TEMP_MAX_AGE_S", "900")))
 
+# ---- loading a bundle (d3d_core/models/hardware.py): checked before anything is downloaded or loaded
+# a load needs its weights' bytes (parameters x dtype size) times this margin: conversion copies, KV caches, activations,
+# allocator slack (the GGUF conversion of smollm2-135m peaks at about 2x its fp32 weights for a moment)
+LOAD_MEMORY_MARGIN = 1.3
+LOAD_RESERVE_RAM_BYTES = 1 << 30  # RAM the server keeps for itself (Gradio, the other visitors' races) after any load
+LOAD_RESERVE_GPU_BYTES = 1 << 30  # GPU memory kept free after a load (CUDA context, caching allocator)
+# On ZeroGPU the main process may not touch CUDA, so free GPU memory cannot be asked: the smallest slice a ZeroGPU
+# call gets is assumed instead (half an RTX Pro 6000 Blackwell, 48 GB, less the CUDA context)
+ZEROGPU_MEMORY_BYTES = 44 << 30
+
 # ---- untrusted traces (an honest 512-token, B=16, H=32 trace is far below these)
 MAX_TRACE_BYTES = APP_UPLOAD_BYTES
 MAX_TRACE_ROUNDS = 5_000

@@ -7,6 +7,7 @@ drafter and the shipped pruning curve / bench sweep.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Iterator, Optional
 
@@ -17,7 +18,7 @@ from .decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_t
 from .limits import APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
-from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle
+from .models.bundles import BUNDLES, DEFAULT_BUNDLE, SHARED_ADAPTER_INFO, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafters import DrafterConfig
 from .schemas import AppSettings, checked
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
@@ -53,7 +54,43 @@ def check_prompt(prompt) -> str:
 
 
 def bundle_names() -> list:
-    return [b for b in BUNDLES if not b.startswith("toy")] + [b for b in BUNDLES if b.startswith("toy")]
+    """The bundles this server offers: those its hardware can run (no GPU-only bundle without CUDA), narrowed to
+    ``D3D_BUNDLES`` (comma-separated) when set; the real ones first, the toys last."""
+    names = loadable_bundles()
+    wanted = [b.strip() for b in os.environ.get("D3D_BUNDLES", "").split(",") if b.strip()]
+    if wanted:
+        names = [b for b in names if b in wanted] or names
+    return [b for b in names if not b.startswith("toy")] + [b for b in names if b.startswith("toy")]
+
+
+def app_bundle() -> str:
+    """The bundle the app opens on: ``D3D_BUNDLE`` when this server offers it, else the default one, else the first offered."""
+    names = bundle_names()
+    for b in (os.environ.get("D3D_BUNDLE", "").strip(), DEFAULT_BUNDLE):
+        if b in names:
+            return b
+    return names[0]
+
+
+def check_bundle(name) -> str:
+    """``name`` when this server offers that bundle, else ValueError with the reason (a GPU-only bundle on a CPU host
+    is named as such). Loads nothing."""
+    names = bundle_names()
+    if isinstance(name, str) and name in names:
+        return name
+    if isinstance(name, str) and name in BUNDLES and name not in loadable_bundles():
+        raise ValueError(f"bundle {name!r} runs on a CUDA GPU only and this server has none; bundles here: {', '.join(names)}")
+    raise ValueError(f"unknown bundle {str(name)[:60]!r}; available: {', '.join(names)}")
+
+
+def preload(name: str) -> Optional[str]:
+    """Load a bundle now (a GPU Space loads its bundle at start-up, outside any GPU window); the reason as a
+    sentence when it cannot be loaded (the app then starts anyway and says so at the first race)."""
+    try:
+        get_bundle(check_bundle(name))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return str(e)
+    return None
 
 
 def bundle_summary(name: str) -> dict:
@@ -83,6 +120,9 @@ def d3d_drafters(bundle_name: str) -> dict:
         try:
             return DrafterConfig.from_json(asset_json("drafters", bundle_name, name, "config.json")).describe()
         except (TypeError, ValueError):  # no shipped config (a toy bundle's drafters are built in code), or an unreadable one
+            spec = BUNDLES.get(bundle_name)
+            if name == "d3d" and spec is not None and spec.d3d_adapter_rank and not (bundle_name == "qwen3-8b" and os.environ.get("D3D_QWEN3_D3D")):
+                return SHARED_ADAPTER_INFO
             return "D3D drafter"
 
     out = {"d3d": f"default: {label('d3d')}"}
@@ -95,6 +135,16 @@ _WARM: set = set()
 _WARM_LOCK = threading.Lock()
 
 
+def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=None) -> None:
+    """ValueError unless the bundle (loaded here if it is not yet) has that D3D drafter and, with skip_layers, it is
+    the default one — asked before a race starts, so nothing is refused inside a GPU window."""
+    names = get_bundle(bundle_name).d3d_names()
+    if d3d_drafter not in names:
+        raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
+    if skip_layers is not None and d3d_drafter != "d3d":
+        raise ValueError("the Pruning tab prunes the default D3D drafter: race it, or untick the pruned-drafter box")
+
+
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
          d3d_drafter: str = "d3d") -> Iterator[tuple]:
     """Run the modes one after another (fair timings on a shared CPU) and stream
@@ -103,11 +153,7 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
     D3D modes use. ``skip_layers``: None races that drafter as shipped (the default may be a shipped
     pruned one); a list races it with exactly those layers skipped (the default drafter only)."""
     b = get_bundle(bundle_name)
-    names = b.d3d_names()
-    if d3d_drafter not in names:
-        raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
-    if skip_layers is not None and d3d_drafter != "d3d":
-        raise ValueError("the Pruning tab prunes the default D3D drafter: race it, or untick the pruned-drafter box")
+    check_race_drafter(bundle_name, d3d_drafter, skip_layers)
     d3d = b.drafter(d3d_drafter)
     with _WARM_LOCK:
         if bundle_name not in _WARM:
@@ -336,5 +382,5 @@ def calibration_size(bundle_name: str) -> int:
 
 __all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
-    "bundle_names", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
+    "bundle_names", "app_bundle", "check_bundle", "preload", "check_race_drafter", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
 ]

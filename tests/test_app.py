@@ -67,6 +67,24 @@ def test_race_bad_input_gives_message(client):
         service.settings(temperature="warm")
 
 
+def test_gpu_only_bundle_is_neither_offered_nor_loaded_on_this_cpu_host(app_server, client, monkeypatch):
+    """No CUDA here: the bundle dropdown leaves qwen3-8b out, and an API call naming it gets a sentence, not a load."""
+    import gradio as gr
+
+    from d3d_core.models import bundles
+
+    dropdown = next(b for b in app_server[0].blocks.values() if isinstance(b, gr.Dropdown) and str(b.label).startswith("Bundle"))
+    assert "qwen3-8b" not in [v for _, v in dropdown.choices] and "smollm2-135m" in [v for _, v in dropdown.choices]
+
+    def no_load(*a, **k):
+        raise AssertionError("a GPU-only bundle started loading on a CPU host")
+
+    monkeypatch.setattr(bundles, "load_qwen3_bundle", no_load)
+    for endpoint, args in (("/race", dict(RACE, bundle="qwen3-8b").values()), ("/pruning_curve", ["qwen3-8b"])):
+        m = api_message(client, endpoint, *args)
+        assert "qwen3-8b" in m and "not in the list of choices" in m and "Traceback" not in m, (endpoint, m)
+
+
 def test_download_rounds_and_upload_round_trip(client, tmp_path):
     client.predict(*RACE.values(), api_name="/race")
     client.predict(api_name="/race_views")  # what the page runs after a race: plots, and the Rounds slider's range

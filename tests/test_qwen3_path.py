@@ -127,3 +127,36 @@ def test_clear_errors(qwen_dirs, tmp_path, monkeypatch):
     (tmp_path / "v2" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="36-layer target"):
         load_zlab_dflash(tmp_path / "v2", b.target.shared, b.target.arch)
+
+
+def test_the_qwen3_paths_default_d3d_drafter_is_the_shared_adapter_drafter(qwen_dirs):
+    """Without a D3D drafter named, the Qwen3 path (``qwen3-8b``'s) builds no untrained copy: its D3D drafter is the
+    target's own layers, shared (same storage), with zero-initialised adapters, and says so."""
+    from d3d_core.models.bundles import SHARED_ADAPTER_INFO
+
+    root, _ = qwen_dirs
+    b = load_qwen3_bundle("qwen3-test", str(root / "target"), device="cpu")
+    d = b.drafter("d3d")
+    assert b.drafter_info["d3d"] == SHARED_ADAPTER_INFO and d.shares_base() and d.cfg.first_draft_is_targets()
+    assert d.layers[3].mlp.up_proj.weight.data_ptr() == b.target.layers[3].mlp.up_proj.weight.data_ptr()
+    assert d.layers[0].self_attn.q_norm.weight.data_ptr() == b.target.layers[0].self_attn.q_norm.weight.data_ptr()
+    ids = b.tokenizer.encode_prompt("tell me a story about a cat")
+    for mode in ("d3d-seq", "d3d-async"):
+        tr = decode(b, ids, DecodeConfig(mode=mode, block_size=6, max_new_tokens=30, drafting="always", verify="full", stop_at_eos=False))
+        assert all(r.accepted >= 1 for r in tr.rounds if r.draft_ids) and tr.stats.tau >= 2.0, mode
+
+
+def test_the_memory_check_runs_before_any_weight_is_fetched(qwen_dirs, monkeypatch):
+    """The Qwen3 path reads the target's config alone, checks memory, and only then resolves (downloads) the weights:
+    a target that does not fit is refused with one sentence and nothing is fetched."""
+    from d3d_core.models import bundles, hardware
+
+    root, _ = qwen_dirs
+
+    def no_fetch(*a, **k):
+        raise AssertionError("weights fetched before the memory check")
+
+    monkeypatch.setattr(bundles, "_resolve", no_fetch)
+    monkeypatch.setattr(hardware, "available_ram_bytes", lambda: 64 << 20)
+    with pytest.raises(hardware.BundleUnavailable, match=r"not enough memory to load target .* GiB of RAM"):
+        load_qwen3_bundle("qwen3-test", str(root / "target"), device="cpu")

