@@ -12,6 +12,7 @@ import html
 
 from d3d_core.decoding.trace import MODES, traces_to_json
 from d3d_core.measure.economics import race_economics
+from d3d_core.measure.reading import race_load
 
 from . import figures
 from .tokens import ar_time_per_token, column_html, legend_html
@@ -23,6 +24,7 @@ h1 {font-size: 24px; margin-bottom: 4px;} h2 {font-size: 18px; margin-top: 28px;
 .meta {color: #555; font-size: 13px;} .prompt {background: #f6f6f6; border-radius: 6px; padding: 8px 12px; white-space: pre-wrap;}
 .cols {display: grid; grid-template-columns: repeat(auto-fit, minmax(300px, 1fr)); gap: 12px; align-items: start;}
 .why {background: #fff8e6; border-left: 4px solid #E69F00; padding: 8px 12px; font-size: 14px;}
+.busy {background: #fde8e8; border-left: 4px solid #D55E00; padding: 8px 12px; font-size: 15px; font-weight: 600;}
 </style>
 """
 
@@ -40,6 +42,14 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
     cfg = first.config or {}
     settings = ", ".join(f"{k} = {cfg[k]}" for k in ("block_size", "hypotheses", "max_new_tokens", "temperature", "sampling", "seed") if k in cfg)
     why = " ".join(e.sentence() for e in econ.values() if e.sentence())
+    load = race_load(traces)
+    if load is None:
+        machine = "<div class='meta' id='d3d-machine'>machine load not recorded (a trace from before it was measured)</div>"
+    elif load.busy:
+        machine = (f"<div class='busy' id='d3d-machine'>⚠ machine busy: {html.escape(load.reason.replace('`', ''))} — the speedups below are "
+                   "unreliable</div>")
+    else:
+        machine = f"<div class='meta' id='d3d-machine'>{html.escape(load.status())}</div>"
     pick = rounds_mode if rounds_mode in by_mode else traces[-1].mode
     figs = [
         ("Timeline: who worked when", figures.timeline_figure(traces)),
@@ -56,9 +66,10 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>D3D Studio race</title>" + PAGE_CSS + "</head><body>"
         f"<h1>D3D Studio race</h1><div class='meta'>bundle <b>{html.escape(first.bundle)}</b> · device {html.escape(first.device)} · "
-        f"{html.escape(settings)} · exported {stamp}</div>"
-        f"<h2>Prompt</h2><div class='prompt'>{html.escape(first.prompt_text)}</div>"
-        + (f"<h2>Why these speeds</h2><div class='why'>{html.escape(why)}</div>" if why else "")
+        f"{html.escape(settings)} · exported {stamp}</div>" + machine
+        + f"<h2>Prompt</h2><div class='prompt'>{html.escape(first.prompt_text)}</div>"
+        + (f"<h2>Why these speeds</h2><div class='meta'>Speedups read <i>1.55× (1.47–1.63)</i>: the ratio and its 10–90 % spread "
+           f"from resampling this race's rounds.</div><div class='why'>{html.escape(why)}</div>" if why else "")
         + f"<h2>Race</h2>{legend_html()}<div class='cols'>{cols}</div>" + "".join(parts)
         + f"<script type='application/json' id='d3d-traces'>{data}</script></body></html>"
     )

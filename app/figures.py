@@ -166,11 +166,13 @@ def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFra
     """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step);
     the clock column says whether the times were measured or projected under a profile."""
     cols = ["clock", "mode", "τ", "T_step", "T_verify(B)", "T_draft", "T_packed", "hit rate", "round", "round / τ (ms/token)",
-            "ms/token (from spans)", "speedup", "break-even τ"]
+            "ms/token (from spans)", "speedup", "speedup 10–90 %", "break-even τ", "flags"]
     rows = []
     for e in race_economics(traces):
+        spread = (f"{e.speedup_lo:.2f}–{e.speedup_hi:.2f}" if e.speedup_lo is not None else "") if not e.too_short else e.speedup_label()
         rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.t_verify_ms, e.t_draft_ms, e.t_packed_ms, e.hit_rate, e.round_ms,
-                     e.round_ms / e.tau if e.tau else None, e.per_token_ms, e.speedup, e.break_even_tau])
+                     e.round_ms / e.tau if e.tau else None, e.per_token_ms, None if e.too_short else e.speedup, spread, e.break_even_tau,
+                     "; ".join(f"implausible: {f}" for f in e.flags)])
     return pd.DataFrame(rows, columns=cols).round(2)
 
 

@@ -126,11 +126,14 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     speed = None
     if ar_time_per_token and tps:
         speed = ar_time_per_token * tps  # (ar s/token) / (this mode's s/token)
+    speed_txt = _fmt(speed, '{:.2f}×')
+    if final and econ is not None and econ.speedup is not None:
+        speed_txt = econ.speedup_label()  # with its spread, or "too short to time (N rounds)"
     fwd = (1 + rounds_done) if not final else st.target_forwards
     stats = (
         f"<span>tokens/s <b>{_fmt(tps, '{:.1f}')}</b></span><span>τ <b>{_fmt(tau)}</b></span>"
         f"<span>rounds <b>{rounds_done}</b></span><span>target fwd <b>{fwd}</b></span>"
-        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span><span>speedup <b>{_fmt(speed, '{:.2f}×')}</b></span>"
+        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span><span>speedup <b>{html.escape(speed_txt)}</b></span>"
     )
     foot = ""
     if final:

@@ -16,6 +16,7 @@ from d3d_core import service
 from d3d_core.decoding.trace import MODES
 from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
 from d3d_core.measure.economics import race_economics
+from d3d_core.measure.reading import race_load
 
 from . import explain, figures, health, runs
 from .export import race_html, traces_json_of
@@ -238,6 +239,9 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         status += (" · note: this bundle's D3D drafter is the target's own layers (shared, no copy) with untrained adapters: "
                    "draft 1 is always the target's own token (τ ≥ 2 at temperature 0), the later drafts are rarely right, "
                    "and each draft costs about one target forward")
+    load = race_load(_traces(state))
+    if load is not None and (load.busy or not stopped):
+        status += "\n\n" + load.status()
     why = economics_sentences(state)
     if why and not stopped:
         status += "\n\n" + why

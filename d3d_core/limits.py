@@ -17,6 +17,10 @@ APP_PROMPT_CHARS = 4_000
 APP_UPLOAD_BYTES = 20_000_000
 APP_QUEUE_MAX = 16  # events waiting in the queue; one more gets "Queue is full … try again" at once
 APP_CONCURRENCY = 2  # events running at once (decodes share one lane, see app/ui.py)
+# a race's speedup needs this many timed rounds in ar and in the mode; fewer and the app says "too short to time"
+# instead of a ratio (a handful of rounds is a handful of noisy samples: see ``measure.reading``)
+RACE_MIN_TIMED_ROUNDS = 8
+RACE_SPREAD_RESAMPLES = 400  # round-level bootstrap resamples behind a race speedup's 10–90 % spread
 APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
 APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
 # oneDNN's and ideep's kernel caches keep one compiled kernel per input shape, up to 1024 each by

@@ -14,10 +14,11 @@ from typing import Iterator, Optional
 from .decoding.config import DecodeConfig
 from .decoding.engine import iter_decode, warm_up
 from .decoding.plan import plan_of
-from .decoding.trace import MODES, Trace, TraceError, traces_from_json, traces_to_json
+from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_json, traces_to_json
 from .limits import APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
+from .measure.machine import LoadWatch
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, SHARED_ADAPTER_INFO, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafters import DrafterConfig
 from .schemas import AppSettings, checked
@@ -148,7 +149,7 @@ def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=N
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
          d3d_drafter: str = "d3d") -> Iterator[tuple]:
     """Run the modes one after another (fair timings on a shared CPU) and stream
-    (mode, trace, done) after every round. A cancel stops the current mode within a round
+    (mode, trace, done) after every round; each finished trace carries the machine's load while it ran (``load``). A cancel stops the current mode within a round
     and skips the rest. ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the
     D3D modes use. ``skip_layers``: None races that drafter as shipped (the default may be a shipped
     pruned one); a list races it with exactly those layers skipped (the default drafter only)."""
@@ -169,8 +170,12 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
             return
         dr = d3d if m in ("d3d-seq", "d3d-async") else None
         tr = None
+        watch = LoadWatch()  # the machine's load while this mode runs, carried in its trace (``Trace.load``)
         for tr in iter_decode(b, prompt, base.with_(mode=m), cancel=cancel, drafter=dr):
             yield m, tr, False
+        if tr is not None:
+            load = watch.stop()
+            tr.load = MachineLoad(**load) if load else None
         yield m, tr, True
 
 

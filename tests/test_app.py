@@ -47,6 +47,18 @@ def test_race_streams_and_finishes(client):
         assert "done: 32 tokens" in c
 
 
+def test_race_status_gives_each_speedup_its_spread_and_the_machine_state(client):
+    """Issue 33: every speedup in the status line carries its spread (or says the race was too short to time), and
+    the status says whether the machine was quiet or busy while the race ran."""
+    import re
+
+    status = client.predict(*RACE.values(), api_name="/race")[0]
+    assert re.search(r"\d\.\d\d× \(\d\.\d\d–\d\.\d\d\) the speed of ar|too short to time \(\d+ rounds\)", status), status
+    assert "machine quiet: other processes used" in status or "⚠ **machine busy:" in status, status
+    short = client.predict(*dict(RACE, max_new_tokens=8, modes=["ar", "d3d-seq"]).values(), api_name="/race")[0]
+    assert "too short to time" in short and "×" not in short, short
+
+
 def test_race_bad_input_gives_message(client):
     for key, bad, msg in [("prompt", "   ", "prompt is empty"), ("prompt", "x" * 5000, "prompt is too long"),
                           ("block_size", 40, "greater than maximum value 16"), ("hypotheses", 99, "greater than maximum value 32"),

@@ -111,6 +111,21 @@ class Stats:
     drafter_busy_s: Float = 0.0
 
 
+@with_config(_STRICT)
+@dataclass
+class MachineLoad:
+    """How busy the machine was while this trace ran (``measure.machine.LoadWatch``): CPU time other processes
+    took and steal time, per wall-second, and the verdict. Absent (None) in traces from before it was recorded."""
+    wall_s: Float = 0.0
+    other_cpu_s: Float = 0.0  # CPU seconds processes other than this one used meanwhile
+    other_cores: Float = 0.0  # other_cpu_s / wall_s: mean cores they kept busy
+    steal_s: Float = 0.0  # CPU seconds the hypervisor stole (0 on VMs that report none)
+    cores: Int = 0  # CPUs of the machine
+    load_at_start: Float = 0.0  # 1-minute load average when the mode started
+    busy: Bool = False  # others or steal passed the bar: this trace's timings are unreliable
+    reason: Annotated[str, Strict(), Field(max_length=500)] = ""
+
+
 def _round_consistent(rd: Round) -> Round:
     if not 0 <= rd.accepted <= len(rd.draft_ids):
         raise ValueError(f"accepted={rd.accepted} must lie in [0, {len(rd.draft_ids)}] (the number of drafts)")
@@ -150,6 +165,7 @@ class Trace:
     verify_costs: Annotated[list[Float], Field(max_length=MAX_TRACE_BLOCK)] = field(default_factory=list)  # verify(k)/step, k = 1..B: the plan's cost model
     cost_source: Annotated[str, Strict(), Field(max_length=300)] = ""  # where those costs were measured
     drafter: Annotated[str, Strict(), Field(max_length=200)] = ""  # the drafter that ran (``describe()``), "" for ar
+    load: Optional[MachineLoad] = None  # the machine's load while it ran (a race records it; None: not measured)
     version: Int = TRACE_VERSION
 
     # ---- serialisation

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..decoding.trace import Trace, busy_intervals, intersect_length
+from ..limits import RACE_MIN_TIMED_ROUNDS
+from .reading import implausible, speedup_spread
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class Economics:
     speedup: Optional[float] = None
     break_even_tau: Optional[float] = None
     skipped: int = 0  # rounds the draft gate skipped (no draft: each an ar step)
+    speedup_lo: Optional[float] = None  # 10–90 % round-level bootstrap spread of the speedup (``reading``)
+    speedup_hi: Optional[float] = None
+    too_short: bool = False  # fewer than RACE_MIN_TIMED_ROUNDS rounds in ar or in this mode: no speedup is shown
+    timed_rounds: int = 0  # the fewer of this mode's and ar's rounds
+    flags: tuple = ()  # readings the cost model says are impossible (``reading.implausible``): timing noise
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,10 +59,26 @@ class Economics:
     def round_steps(self) -> Optional[float]:
         return self.round_ms / self.t_step_ms if self.t_step_ms else None
 
+    def speedup_label(self) -> str:
+        """``1.55× (1.47–1.63)`` (the spread: 10–90 % of a round-level bootstrap), ``too short to time (7 rounds)``,
+        or "–" without ar."""
+        if self.too_short:
+            return f"too short to time ({self.timed_rounds} rounds)"
+        if self.speedup is None:
+            return "–"
+        if self.speedup_lo is None:
+            return f"{self.speedup:.2f}×"
+        return f"{self.speedup:.2f}× ({self.speedup_lo:.2f}–{self.speedup_hi:.2f})"
+
     def sentence(self) -> str:
-        """One sentence: how fast this mode was against ar, and why."""
+        """One sentence: how fast this mode was against ar, and why (or that the race was too short to say, or that
+        the reading is impossible and therefore noise)."""
         if self.mode == "ar" or self.rounds == 0:
             return ""
+        if self.too_short:
+            return (f"{self.mode}: too short to time ({self.timed_rounds} rounds; a speedup needs at least "
+                    f"{RACE_MIN_TIMED_ROUNDS} timed rounds of ar and of {self.mode}, so none is shown) — it committed "
+                    f"τ = {self.tau:.2f} tokens per round.")
         if self.speedup is None or not self.t_step_ms:
             return (f"{self.mode}: a round costs {self.round_ms:.0f} ms and commits τ = {self.tau:.2f} tokens "
                     f"({self.per_token_ms:.0f} ms per token); run ar in the same race to compare.")
@@ -69,10 +92,15 @@ class Economics:
             parts += f" + other {steps(idle_round):.2f}"
         cost = f"a round costs {self.round_steps:.2f} ar steps ({parts})"
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
+        head = f"{self.mode} is {self.speedup_label()} the speed of ar"
+        if self.flags:
+            return (f"{head}{' — slower' if self.speedup < 1 else ''}. ⚠ implausible: {'; '.join(self.flags)} — timing noise "
+                    f"(the machine's speed changed during the race), not a property of {self.mode}; as read, {cost}, "
+                    f"τ = {self.tau:.2f}, break-even τ = {self.break_even_tau:.2f}.{gate}")
         if self.speedup < 1:
-            return (f"{self.mode} is {self.speedup:.2f}× ar — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
+            return (f"{head} — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
                     f"it would tie ar at τ = {self.break_even_tau:.2f}.{gate}")
-        return (f"{self.mode} is {self.speedup:.2f}× ar: {cost} and commits τ = {self.tau:.2f} tokens, "
+        return (f"{head}: {cost} and commits τ = {self.tau:.2f} tokens, "
                 f"above the break-even τ = {self.break_even_tau:.2f}.{gate}")
 
 
@@ -83,20 +111,24 @@ def _mean(xs: list) -> Optional[float]:
 def economics(trace: Trace, ar: Optional[Trace] = None) -> Optional[Economics]:
     """The economics of a finished trace (None while it runs or when it has no decode round);
     ``ar``: the same race's ar trace, the yardstick for speedup and break-even τ."""
-    yard = _measure(ar) if ar is not None and ar is not trace and ar.mode == "ar" else None
-    return _against(trace, yard)
+    ok = ar is not None and ar is not trace and ar.mode == "ar"
+    return _against(trace, _measure(ar) if ok else None, ar if ok else None)
 
 
-def _against(trace: Trace, yard: Optional[dict]) -> Optional[Economics]:
-    """``trace``'s economics with ``yard`` (ar's own measurement) as the yardstick; ar is its own."""
+def _against(trace: Trace, yard: Optional[dict], ar: Optional[Trace] = None) -> Optional[Economics]:
+    """``trace``'s economics with ``yard`` (ar's own measurement, from the trace ``ar``) as the yardstick; ar is its own."""
     e = _measure(trace)
     if e is None:
         return None
     if trace.mode == "ar":
-        yard = e
+        yard, ar = e, trace
     if yard is not None:
         e.update(t_step_ms=yard["t_verify_ms"], ar_per_token_ms=yard["per_token_ms"],
                  speedup=yard["per_token_ms"] / e["per_token_ms"], break_even_tau=e["round_ms"] / yard["per_token_ms"])
+        sp = speedup_spread(trace, ar) if ar is not None else None
+        if sp is not None:
+            e.update(speedup_lo=sp.lo, speedup_hi=sp.hi, too_short=sp.too_short, timed_rounds=min(sp.rounds, sp.ar_rounds))
+        e["flags"] = tuple(implausible(trace, e["t_step_ms"], e["round_ms"]))
     return Economics(**e)
 
 
@@ -131,5 +163,5 @@ def race_economics(traces: list) -> list:
     """Economics of every finished trace of a race, ar (measured once) as everyone's yardstick."""
     ar = next((t for t in traces if t is not None and t.mode == "ar" and t.stats is not None), None)
     yard = _measure(ar)
-    out = [_against(t, yard) for t in traces if t is not None]
+    out = [_against(t, yard, ar) for t in traces if t is not None]
     return [e for e in out if e is not None]

@@ -147,3 +147,60 @@ class QuietWatch:
             why.append(f"other processes kept {cores:.2f} cores busy on average")
         msg = ("machine was not quiet: " + " and ".join(why) + "; timings and speedups may be off") if why else ""
         return Quietness(round(self.load, 2), round(other, 2), round(wall, 2), round(cores, 3), bool(why), msg)
+
+
+# ----------------------------------------------------------------------------- a race's machine load
+# A race (the app's, ``service.race``) is judged less strictly than a bench run: the Race tab is a demo on a shared
+# server whose own UI threads are excluded anyway (same process). Others keeping a quarter of a core busy on average,
+# or the hypervisor stealing a twentieth, shifts the modes' times (they run one after another) by more than the
+# spread the race itself shows, so the app then says the ratios are unreliable.
+RACE_BUSY_CORES = 0.25  # other processes' mean CPU use (cores) during a race above which it is flagged busy
+RACE_BUSY_STEAL = 0.05  # mean steal time (cores) above which it is flagged busy
+
+
+def _cpu_times() -> tuple:
+    """(busy CPU s excluding steal, steal CPU s) of all processes since boot (Linux /proc/stat), NaN if unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        tck = os.sysconf("SC_CLK_TCK")
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        steal = vals[7] if len(vals) > 7 else 0
+        return (sum(vals[:8]) - idle - steal) / tck, steal / tck
+    except (OSError, ValueError, IndexError):
+        return float("nan"), float("nan")
+
+
+def busy_verdict(other_cores: float, steal_cores: float, cores: int) -> tuple:
+    """(busy, reason): the classification of a race's machine load (pure, so it can be tested on any numbers).
+    ``other_cores``: CPU-seconds other processes used per wall-second; ``steal_cores``: the same for steal time;
+    ``cores``: the CPUs the machine has. Busy when either passes its bar (``RACE_BUSY_CORES``, ``RACE_BUSY_STEAL``)."""
+    why = []
+    if other_cores == other_cores and other_cores > RACE_BUSY_CORES:  # NaN-safe
+        why.append(f"other processes used {other_cores:.1f} of {cores} cores during this race")
+    if steal_cores == steal_cores and steal_cores > RACE_BUSY_STEAL:
+        why.append(f"the hypervisor stole {steal_cores:.2f} cores (steal time)")
+    return bool(why), " and ".join(why)
+
+
+class LoadWatch:
+    """The machine's load while one mode of a race runs: ``w = LoadWatch(); ...; d = w.stop()`` gives the fields of
+    ``trace.MachineLoad`` (a dict), or None where /proc/stat cannot be read (not Linux)."""
+
+    def __init__(self):
+        self.load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        self.t0, (self.busy0, self.steal0), self.own0 = time.perf_counter(), _cpu_times(), _own_cpu_s()
+
+    def stop(self) -> Optional[dict]:
+        wall = time.perf_counter() - self.t0
+        busy, steal = _cpu_times()
+        own = _own_cpu_s() - self.own0
+        if busy != busy or self.busy0 != self.busy0 or wall <= 0:
+            return None
+        other = max(0.0, (busy - self.busy0) - own)
+        steal = max(0.0, steal - self.steal0)
+        cores = os.cpu_count() or 1
+        is_busy, why = busy_verdict(other / wall, steal / wall, cores)
+        return dict(wall_s=round(wall, 3), other_cpu_s=round(other, 3), other_cores=round(other / wall, 3),
+                    steal_s=round(steal, 3), cores=cores, load_at_start=round(self.load, 2) if self.load == self.load else 0.0,
+                    busy=is_busy, reason=why)
