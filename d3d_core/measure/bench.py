@@ -300,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
     p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
     p.add_argument("--device", default=None)
-    p.add_argument("--engine", choices=["fast", "eager"], default="fast",
-                   help="fast: prepacked CPU forwards for target and drafters (every mode); eager: the Hugging Face forward")
+    p.add_argument("--engine", choices=["fast", "eager", "int4"], default="fast",
+                   help="fast: prepacked CPU forwards for target and drafters (every mode); eager: the Hugging Face forward; "
+                        "int4: the fast forward with the target's layers and LM head from the GGUF's 4-bit blocks (D3D_ENGINE=int4)")
     p.add_argument("--drafter-int8", choices=["on", "off"], default="on" if fastops.int8_status()["drafter_int8"] == "on" else "off",
                    help="on: the D3D drafter's MLPs and shortlist head run in int8 where the fast engine can (default here; "
                         "D3D_DRAFTER_INT8=off changes it); off: fp32")
@@ -334,7 +335,8 @@ def main(argv=None) -> int:
             raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
         if args.temperature > 0:
             peers = []  # peers are greedy baselines
-        fastops.set_enabled(args.engine == "fast")
+        fastops.set_enabled(args.engine != "eager")
+        fastops.set_int4(args.engine == "int4")
         fastops.set_int8(args.drafter_int8 == "on")
         datasets = ["prompt"] if args.prompt is not None else parse_datasets(args.datasets)
         base = DecodeConfig(
@@ -383,7 +385,8 @@ def main(argv=None) -> int:
                             default={**vars(args), "decode": asdict(base), "world_size": dist.world}),
         "machine": steps.run("machine", machine_info, default={}),
         "engine": steps.run("engine", lambda: {"target": bundle.target.engine, "why_not_fast": bundle.target.fast_reason(), "linears": fastops.status(),
-                                               "drafter_int8": fastops.int8_status(), "row_plan": bundle.target.row_plan_info}, default={}),
+                                               "drafter_int8": fastops.int8_status(), "row_plan": bundle.target.row_plan_info,
+                                               "int4": bundle.target.int4_info()}, default={}),
         "wall_time_s": wall,
         "rows": rows,
     }

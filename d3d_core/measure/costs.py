@@ -369,11 +369,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="comma list of intra-op thread counts")
     ap.add_argument("--widths", default=",".join(map(str, VERIFY_WIDTHS)), help="verify widths B to time (the verify plan reads them)")
-    ap.add_argument("--engine", choices=["fast", "eager"], default="fast", help="eager: the Hugging Face forward, F.linear drafters")
+    ap.add_argument("--engine", choices=["fast", "eager", "int4"], default="fast",
+                    help="eager: the Hugging Face forward, F.linear drafters; int4: the target's layers and LM head from the GGUF's 4-bit blocks")
     ap.add_argument("--crossover", default="8,16,30", help="D3D drafter depths for the overlap crossover ('' skips it)")
     ap.add_argument("--out", default="results/costs.json")
     args = ap.parse_args(argv)
-    fastops.set_enabled(args.engine == "fast")
+    fastops.set_enabled(args.engine != "eager")
+    fastops.set_int4(args.engine == "int4")
     bundle = get_bundle(args.bundle)
     watch = QuietWatch()
     try:

@@ -38,6 +38,7 @@ from .drafters import (
     load_drafter,
 )
 from .hardware import BundleUnavailable, estimate_params, gpu_available, require_memory
+from .int4 import QUANTIZE_FP32, GGUFSource
 from .target import Target
 from .tokenizer import CharTokenizer, HFChatTokenizer
 
@@ -341,7 +342,9 @@ def build_toy_target(qwen3: bool = False, seed: int = 0, vocab: Optional[int] = 
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(12.0)
     model.config._attn_implementation = "sdpa"
-    return Target(model.float().eval(), name="toy-qwen3" if qwen3 else "toy"), tok
+    target = Target(model.float().eval(), name="toy-qwen3" if qwen3 else "toy")
+    target.int4_source = QUANTIZE_FP32  # no GGUF: the int4 engine's blocks are computed from the fp32 weights
+    return target, tok
 
 
 # ----------------------------------------------------------------------------- SmolLM2
@@ -405,7 +408,10 @@ def load_smollm2():
             path = _hub_fallback()
     model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     tok = AutoTokenizer.from_pretrained(str(path))
-    return Target(model.eval(), name="smollm2-135m"), HFChatTokenizer(tok)
+    target = Target(model.eval(), name="smollm2-135m")
+    gguf = _smollm_gguf_path()  # the int4 engine reads its Q4_1 / Q8_0 blocks (packed once into $D3D_CACHE/int4)
+    target.int4_source = GGUFSource(gguf, cache_dir() / "int4") if gguf is not None else None
+    return target, HFChatTokenizer(tok)
 
 
 def _hub_fallback() -> str:

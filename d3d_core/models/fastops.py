@@ -40,6 +40,7 @@ LM_HEAD, ATTENTION = "d3d::lm_head", "d3d::attention"
 _PACK_BATCH_HINT = 16  # the reorder's expected row count; measured best for 1..17 rows here
 _lock = threading.Lock()
 _state = {"enabled": os.environ.get("D3D_ENGINE", "fast").lower() != "eager", "ok": None, "why": "",
+          "int4": os.environ.get("D3D_ENGINE", "fast").lower() == "int4",
           "int8": os.environ.get("D3D_DRAFTER_INT8", "on").lower() not in ("off", "0", "false", "no"), "int8_ok": None, "int8_why": ""}
 _local = threading.local()  # .exact: this thread keeps marked drafter modules in fp32 (exact_drafters)
 
@@ -79,6 +80,16 @@ def status() -> dict:
 
 def set_enabled(on: bool) -> None:
     _state["enabled"] = bool(on)
+
+
+def set_int4(on: bool) -> None:
+    """Ask for the int4 engine process-wide (``D3D_ENGINE=int4``): targets with int4 weights run their layers and
+    LM head through them (``Target.engine``), and the drafters' shared LM head too (:func:`linear`)."""
+    _state["int4"] = bool(on)
+
+
+def int4_requested() -> bool:
+    return _state["int4"] and _state["enabled"]
 
 
 def enabled() -> bool:
@@ -277,9 +288,13 @@ def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], b
 
 
 def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)``, through the prepacked kernel when the fast path applies."""
+    """``mod(x)``, through the prepacked kernel when the fast path applies; through the int4 kernel for a module
+    the int4 engine attached its weights to (the target's LM head, shared by the drafters) while int4 is on."""
     if not _usable(x, mod.weight):
         return mod(x)
+    w4 = mod.__dict__.get("_d3d_int4")
+    if w4 is not None and _state["int4"]:
+        return w4(x.reshape(-1, x.shape[-1])).float().reshape(*x.shape[:-1], w4.n)
     return packed_linear(mod, "w", [mod.weight], [mod.bias], x)
 
 

@@ -8,6 +8,8 @@ Two engines behind one interface (``Target.forward``), chosen per cache:
   tables computed once, GQA attention as one SDPA call per KV head group, and the LM head
   only on the rows whose logits are asked for, and small row counts padded by a row plan measured
   on this machine (``Target.row_plan``). Every mode, ``ar`` included, runs through it.
+- **int4**: the fast forward with every decoder-layer linear and the LM head run from 4-bit weights taken from
+  the bundled GGUF's blocks through torch's int4 CPU kernel (``int4``; ``D3D_ENGINE=int4`` / ``engine="int4"``).
 - **eager**: the Hugging Face model with its ``DynamicCache`` (GPU, other architectures, or
   ``D3D_ENGINE=eager`` / ``engine="eager"`` for comparison).
 
@@ -26,14 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from . import fastops
+from . import fastops, int4
 from .drafters import ArchConfig, SharedParts
 from .fastops import ATTENTION, LM_HEAD
 
-ENGINES = ("fast", "eager")
+ENGINES = ("fast", "eager", "int4")
 ROW_PLAN_MIN_MB = 64  # a target whose weights are smaller stays in cache; its row plan is not measured
 _ROW_PLANS: dict = {}  # (model type, architecture, threads) -> (plan, info): measured once per process
 _ROW_PLAN_LOCK = threading.RLock()
+_NO_INT4: dict = {}  # a layer without int4 linears (the fp32 fast engine)
+ATTN_BUCKET = 64  # the int4 engine's attention key lengths: multiples of this (see Target._attention_groups)
+ATTN_BUCKET_ROWS = 64  # forwards over more rows (long prefills, identical in every mode) attend as the fp32 engine does
 
 
 @dataclass
@@ -48,9 +53,11 @@ class StaticKV:
     two methods of HF's cache that ``Target`` uses (``get_seq_length``, ``crop``)."""
 
     def __init__(self, n_layers: int, nkv: int, hd: int, dtype, device, capacity: int = 512):
-        self.k = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        # zeros, not empty: the int4 engine attends over masked positions past the length, which must hold finite values
+        self.k = [torch.zeros(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
+        self.int4 = None  # the int4 engine's weights (Int4Weights) when this cache belongs to an int4 decode
 
     @property
     def capacity(self) -> int:
@@ -63,7 +70,7 @@ class StaticKV:
         cap = max(need, 2 * self.capacity)
         for kv in (self.k, self.v):
             for i, t in enumerate(kv):
-                new = t.new_empty(t.shape[0], cap, t.shape[2])
+                new = t.new_zeros(t.shape[0], cap, t.shape[2])
                 new[:, : self.length] = t[:, : self.length]
                 kv[i] = new
 
@@ -93,6 +100,10 @@ class Target:
         self.shared = SharedParts(model.get_input_embeddings(), model.get_output_embeddings(), base.rotary_emb, base.layers, base.norm)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 4096))
         self._row_plan, self.row_plan_info = None, {}  # fixed by row_plan() before the first fast forward
+        # the int4 engine: where its weights come from (int4.GGUFSource, int4.QUANTIZE_FP32 or None), loaded on first use
+        self.int4_source = None
+        self._int4, self._int4_error = None, None
+        self._int4_lock = threading.Lock()
 
     @property
     def device(self):
@@ -109,12 +120,49 @@ class Target:
     @property
     def engine(self) -> str:
         """The engine new caches get: "fast" where it can run (CPU, fp32, Llama / Qwen3 layers,
-        oneDNN present and not switched off), else "eager"."""
-        return "fast" if self.fast_reason() is None else "eager"
+        oneDNN present and not switched off), else "eager"; "int4" when asked for (``engine="int4"`` or
+        ``D3D_ENGINE=int4``) and this target has int4 weights (``int4_reason`` says why not)."""
+        if self.fast_reason() is not None:
+            return "eager"
+        return "int4" if self.int4_wanted() and self.int4_reason() is None else "fast"
+
+    def int4_wanted(self) -> bool:
+        return self.engine_request == "int4" or (self.engine_request == "fast" and fastops.int4_requested())
+
+    def int4_reason(self) -> Optional[str]:
+        """None when the int4 engine can run this target (weights loaded or loadable), else why not."""
+        if self.int4_source is None:
+            return "no 4-bit source for this target (the int4 engine reads the bundled GGUF's blocks)"
+        ok, why = int4.self_test()
+        if not ok:
+            return why
+        return self._int4_error
+
+    def int4_weights(self):
+        """The int4 weights (loaded once: from the packed cache, or converted from the GGUF and cached). Attaches
+        the head to the LM head module, so the drafters' shared head runs int4 too while int4 is on."""
+        if self._int4 is None and self._int4_error is None:
+            with self._int4_lock:
+                if self._int4 is None and self._int4_error is None:
+                    try:
+                        w = int4.load(self, self.int4_source)
+                    except Exception as e:  # an unreadable GGUF or cache: stay on the fp32 engine, say why
+                        self._int4_error = f"int4 weights failed to load ({type(e).__name__}: {str(e)[:160]})"
+                        return None
+                    if w.head is not None:
+                        self.shared.lm_head._d3d_int4 = w.head
+                    self._int4 = w
+        return self._int4
+
+    def int4_info(self) -> dict:
+        """What runs int4 and what stays as it was (for the bench and the app), or why int4 is off."""
+        if self._int4 is not None:
+            return {"kernel": int4.self_test()[1], **self._int4.info}
+        return {"off": self.int4_reason() or ("not requested" if not self.int4_wanted() else "not loaded yet")}
 
     def fast_reason(self) -> Optional[str]:
         """None when the fast engine applies, else why not (shown by the app and the bench)."""
-        if self.engine_request != "fast":
+        if self.engine_request == "eager":
             return "eager engine requested"
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return f"fast engine is CPU fp32 only (this target: {self.device.type}, {self.dtype})"
@@ -124,9 +172,14 @@ class Target:
         return None if st["engine"] == "fast" else st["reason"]
 
     def new_cache(self):
-        if self.engine == "fast":
+        eng = self.engine
+        if eng == "int4" and self.int4_weights() is None:  # failed to load: int4_reason says why
+            eng = "fast"
+        if eng in ("fast", "int4"):
             self._fast_tables()
-            return StaticKV(len(self.layers), self.arch.num_key_value_heads, self.arch.head_dim, self.dtype, self.device)
+            kv = StaticKV(len(self.layers), self.arch.num_key_value_heads, self.arch.head_dim, self.dtype, self.device)
+            kv.int4 = self._int4 if eng == "int4" else None
+            return kv
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
@@ -210,6 +263,7 @@ class Target:
         t0 = time.perf_counter()
         unpadded = fastops.IDENTITY_PLAN
         cache = self.new_cache()
+        cache.int4 = None  # the plan is the fp32 engine's, whatever engine new caches get now
         ids = torch.arange(ctx + fastops.ROW_PLAN_MAX) % self.arch.vocab_size
         self._forward_fast(cache, ids[:ctx], 1, (), unpadded)
         times = {m: [] for m in range(1, fastops.ROW_PLAN_MAX + 1)}
@@ -228,43 +282,84 @@ class Target:
 
     def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple,
                       plan: Optional[tuple] = None) -> TargetOutput:
-        plan = plan or self.row_plan()
+        w4 = cache.int4  # the int4 engine's weights, or None (fp32): int4 GEMMs compute each row alone, no row plan
+        if w4 is None:
+            plan = plan or self.row_plan()
         n, T = ids.shape[0], cache.length
         if T + n > self.max_positions:
             raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
-        cache.reserve(n)
+        groups = self._attention_groups(T, n) if w4 is not None and n <= ATTN_BUCKET_ROWS else None
+        cache.reserve(n if groups is None else groups[-1][2] - T)
         eps, H = self.arch.rms_norm_eps, (self.arch.hidden_size,)
         x = self.shared.embed_tokens(ids.to(self.device))  # (n, H)
         rot = self._freqs[T : T + n, None]  # (n, 1, hd/2) complex
-        mask = None
-        if n > 1:  # causal inside the fed tokens; every cached position is visible
+        mask = groups
+        if groups is None and n > 1:  # causal inside the fed tokens; every cached position is visible
             mask = torch.zeros(n, T + n, dtype=x.dtype, device=x.device)
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
         feats = {}
         for i, layer in enumerate(self.layers):
+            q4 = w4.layers[i] if w4 is not None else _NO_INT4
             h = F.rms_norm(x, H, layer.input_layernorm.weight, eps)
-            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask, plan)
+            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask, plan, q4)
             h = F.rms_norm(x, H, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
-            gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h,
-                                       plan=plan)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], F.silu(gate) * up, plan=plan)
+            lin = q4.get("gate_up")
+            if lin is not None:  # bf16 out; silu and the product in fp32 (bf16 * fp32 promotes), rounded to bf16 once by down
+                gate, up = lin(h).chunk(2, dim=-1)
+                act = F.silu(gate.float()) * up
+            else:
+                gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h,
+                                           plan=plan)
+                gate, up = gu.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            lin = q4.get("down")
+            # the residual stream stays fp32 (fp32 + bf16 promotes)
+            x = x + (lin(act) if lin is not None else fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], act,
+                                                                             plan=plan))
             if i in feature_layers:
                 feats[i] = x
         cache.length = T + n
         with record_function(LM_HEAD):
             h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
-            logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan)  # (n_logits, V)
+            if w4 is not None and w4.head is not None:
+                logits = w4.head(h)  # (n_logits, V) bf16
+            else:
+                logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan)  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
 
-    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask, plan: tuple):
-        """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1."""
+    def _attention_groups(self, T: int, n: int) -> list:
+        """The int4 engine's attention plan for a forward of n rows at positions T..T+n-1: [(a, b, L, mask)] —
+        rows a..b-1 attend over the first L cached keys, L the position's bucket end (a multiple of ATTN_BUCKET),
+        with keys past each row's own position masked. SDPA's result for a row depends on the key length it
+        sees (not on how many rows share the call), and a row's bucket depends only on its position, so a
+        verify over B rows gives every row the bits a one-row step at that position gives it. The int4 GEMMs
+        then round the same values to bf16, so no near-tie in the logits can resolve differently per mode."""
+        out, a = [], 0
+        pos = torch.arange(T, T + n)
+        while a < n:
+            L = (T + a) // ATTN_BUCKET * ATTN_BUCKET + ATTN_BUCKET
+            b = min(n, L - T)
+            keys = torch.arange(L)
+            m = torch.zeros(b - a, L).masked_fill_(keys[None] > pos[a:b, None], float("-inf"))
+            g = self.arch.num_attention_heads // self.arch.num_key_value_heads
+            out.append((a, b, L, m.repeat(g, 1)))
+            a = b
+        return out
+
+    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask, plan: tuple, q4: dict = None):
+        """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1. ``q4``: this layer's int4
+        linears (the int4 engine; the output may then be bf16)."""
         n = x.shape[0]
         nh, nkv, hd = self.arch.num_attention_heads, self.arch.num_key_value_heads, self.arch.head_dim
-        qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv, plan=plan)
+        q4 = q4 or _NO_INT4
+        lin = q4.get("qkv")
+        if lin is not None:
+            qkv = lin(x).float()  # RoPE's complex multiply and the fp32 KV cache want fp32
+        else:
+            qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv, plan=plan)
         qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
         if self._qk_norm[i] is not None:  # Qwen3: per-head RMSNorm before RoPE
             qw, kw = self._qk_norm[i]
@@ -275,11 +370,23 @@ class Target:
         cache.v[i][:, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
         K, V = cache.k[i][:, : T + n], cache.v[i][:, : T + n]  # (nkv, T+n, hd)
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
-        q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
-        m = None if mask is None else mask.repeat(g, 1)
-        with record_function(ATTENTION):
-            y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
-        y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
+        if isinstance(mask, list):  # the int4 engine: rows grouped by their key bucket (see _attention_groups)
+            ys = []
+            with record_function(ATTENTION):
+                for a, b, L, m in mask:
+                    q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
+                    ys.append(F.scaled_dot_product_attention(q[None], cache.k[i][None, :, :L], cache.v[i][None, :, :L], attn_mask=m)[0]
+                              .reshape(nh, b - a, hd))
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys, 1)).transpose(0, 1).reshape(n, nh * hd)
+        else:
+            q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
+            m = None if mask is None else mask.repeat(g, 1)
+            with record_function(ATTENTION):
+                y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
+            y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
+        lin = q4.get("o")
+        if lin is not None:
+            return lin(y)
         return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y, plan=plan)
 
     # ------------------------------------------------------------------ the decode API
