@@ -181,7 +181,10 @@ def timed_race(c, args: list, stop_after: Optional[float] = None) -> dict:
     status = out[0] if isinstance(out, (list, tuple)) else str(out)
     # a race runs to "**Done**"; one stopped mid-run says "**Stopped**" (or "**Done**" if it finished first)
     ok = str(status).startswith(("**Done**", "**Stopped**") if stop_after is not None else "**Done**")
-    return {"wait_s": (started or t1) - t0, "total_s": t1 - t0, "stopped": stop_after is not None, "ok": ok}
+    rec = {"wait_s": (started or t1) - t0, "total_s": t1 - t0, "stopped": stop_after is not None, "ok": ok}
+    if not ok:  # what the visitor saw instead (e.g. the server's time limit on a starved machine)
+        rec["status"] = str(status)[:200]
+    return rec
 
 
 # ----------------------------------------------------------------------------- the soak
@@ -282,7 +285,7 @@ def soak(cfg: SoakConfig, url: str, server: Optional[Server], raw: Optional[RawL
                     if n % 25 == 0:
                         print(f"[soak] {n} races, {time.time() - t_start:.0f} s, RSS {samples[-1]['rss_mib'] if samples else '?'} MiB", file=sys.stderr)
                     if not r["ok"]:
-                        raise RuntimeError("race returned no result")
+                        raise RuntimeError(f"race returned no result: {r.get('status', '')!r}")
                 elif what == "traces":
                     path = c.predict(api_name="/download_traces")
                     msg = c.predict(handle_file(path), api_name="/upload_trace")[0]
