@@ -191,7 +191,7 @@ def py_threads() -> dict:
     """Python threads by name prefix (``AnyIO worker thread``: 3, ...): which pool grew when the thread count does."""
     out: dict = {}
     for t in threading.enumerate():
-        key = t.name.rstrip("0123456789-_ ").split(" (")[0] or "thread"
+        key = t.name.split(" (")[0].rstrip("0123456789-_ ") or "thread"
         out[key] = out.get(key, 0) + 1
     return out
 

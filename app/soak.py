@@ -203,7 +203,7 @@ class RawLog:
 
     def __init__(self, path: Optional[Path]):
         self.path, self._lock = path, threading.Lock()
-        self._f = open(path, "a", buffering=1) if path else None
+        self._f = open(path, "w", buffering=1) if path else None
 
     def write(self, kind: str, row: dict) -> None:
         if self._f:
@@ -216,14 +216,15 @@ class RawLog:
 
     @staticmethod
     def read(path: Path) -> dict:
-        """{"samples": [...], "races": [...], "errors": [...]} from a raw log (a torn last line is skipped)."""
-        out: dict = {"samples": [], "races": [], "errors": []}
+        """{"samples": [...], "races": [...], "errors": [...], "files": [...]} from a raw log (a torn last line is skipped)."""
+        out: dict = {"samples": [], "races": [], "errors": [], "files": []}
         for line in Path(path).read_text().splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            out.setdefault(row.pop("kind") + "s", []).append(row)
+            if isinstance(row, dict) and isinstance(row.get("kind"), str):  # anything else is not a line of this log
+                out.setdefault(row.pop("kind") + "s", []).append(row)
         return out
 
 
@@ -295,11 +296,13 @@ def soak(cfg: SoakConfig, url: str, server: Optional[Server], raw: Optional[RawL
                     with lock:
                         actions["traces"] += 1
                         file_times.append(time.time())
+                    raw.write("file", {"t": round(time.time() - t_start, 2)})
                 elif what == "export":
                     os.unlink(c.predict(api_name="/export_html"))
                     with lock:
                         actions["export"] += 1
                         file_times.append(time.time())
+                    raw.write("file", {"t": round(time.time() - t_start, 2)})
                 else:
                     active = c.predict(cfg.bundle, api_name="/pruning_curve")[0]
                     if isinstance(active, dict):  # a component update: the ticked layers are its value
@@ -419,6 +422,8 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
         recent = [t for t in res.get("file_times", []) if t >= end["t"] - window]
         out["temp_files_bound"] = 4 * len(recent) + 20
         grow = {k: (t or {}).get("growth") for k, t in trends.items()}
+        if trends["rss_mib"] is None:  # a failed check below then means "not judged", not "leaks"
+            out["not_judged"] = f"too few races after warm-up to fit a trend ({n_races - warm_from} races, {len(binned(s, 'rss_mib', warm_from)[0])} bins of {BIN_RACES})"
         out["pass"] = {
             "no_errors": out["errors"] == 0,
             "rss_flat": rss.get("growth_share") is not None and rss["growth_share"] < RSS_GROWTH_BAR and rss["per_race"] < RSS_SLOPE_BAR,
@@ -547,7 +552,7 @@ def soak_figure(doc: dict):
     fig.update_xaxes(title_text="races served", row=2)
     cfg = doc.get("config", {})
     failed = [k for k, ok in v.get("pass", {}).items() if not ok]
-    judged = ("failed: " + ", ".join(failed)) if failed else ("passed" if v.get("pass") else "not judged")
+    judged = ("not judged: " + v["not_judged"]) if v.get("not_judged") else ("failed: " + ", ".join(failed)) if failed else ("passed" if v.get("pass") else "not judged")
     fig.update_layout(height=620, title=f"Soak: {v.get('races', 0)} races, {cfg.get('visitors')} visitors, bundle {cfg.get('bundle')}, "
                                         f"{v.get('errors', 0)} errors · verdict {judged}", showlegend=True)
     return fig
@@ -564,8 +569,8 @@ def run(cfg: SoakConfig, out: Path) -> dict:
     from d3d_core.measure.rawfirst import Steps, write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
-    steps = Steps(raw=out / "soak.raw.jsonl")
-    raw = RawLog(steps.raw)
+    steps = Steps(raw=out / "soak.unwritten.json")  # where the record goes if soak.json cannot be written
+    raw = RawLog(out / "soak.raw.jsonl")
     server = None if cfg.url else Server(cfg.temp_max_age_s, cfg.planted_leak_mib)
     url = cfg.url or server.url
     doc = {"config": asdict(cfg), "machine": machine_info()}
@@ -593,6 +598,8 @@ def run(cfg: SoakConfig, out: Path) -> dict:
         with steps.step("plot"):
             soak_figure(doc).write_html(str(out / "soak.html"), include_plotlyjs=True)
     steps.finish(out / "soak.json", doc)
+    if steps.ok:  # soak.json holds everything the log did
+        (out / "soak.raw.jsonl").unlink(missing_ok=True)
     return doc
 
 
@@ -603,8 +610,8 @@ def rejudge(path: Path) -> int:
     try:
         if path.suffix == ".jsonl":
             rec = RawLog.read(path)
-            doc = {"config": asdict(SoakConfig()), "soak": {"races": rec["races"], "errors": rec["errors"], "samples": rec["samples"],
-                                                            "actions": {}, "file_times": []}, "note": f"rebuilt from {path.name}"}
+            doc = {"config": asdict(SoakConfig()), "soak": {"races": rec["races"], "errors": rec["errors"], "samples": rec["samples"], "actions": {},
+                                                            "file_times": [f["t"] for f in rec["files"]]}, "note": f"rebuilt from {path.name}"}
             if (path.parent / "soak.json").is_file():
                 doc["config"] = json.loads((path.parent / "soak.json").read_text()).get("config", doc["config"])
         else:
@@ -614,11 +621,14 @@ def rejudge(path: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"error: {path} is not a soak record ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
+    # a raw log is judged beside its run's soak.json, never over it (that record is the fuller one)
+    target = path if path.suffix == ".json" else path.parent / ("soak.rejudged.json" if (path.parent / "soak.json").exists() else "soak.json")
     steps = Steps()
     doc["verdict"] = steps.run("verdict", verdict, soak_rec, cfg, default={})
     with steps.step("plot"):
-        soak_figure(doc).write_html(str(path.parent / "soak.html"), include_plotlyjs=True)
-    steps.finish(path.parent / "soak.json", doc)
+        soak_figure(doc).write_html(str(target.with_suffix(".html")), include_plotlyjs=True)
+    steps.finish(target, doc)
+    print(f"written: {target}", file=sys.stderr)
     print(json.dumps({k: v for k, v in doc["verdict"].items() if k != "trends"}, indent=1))
     return 0 if passed(doc) else 1
 

@@ -212,6 +212,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
             return
         finished = True
+        timed_out, cancelled = flag.timed_out(), flag.is_set()  # read as the loop ends, not after the teardown below
     finally:
         if not finished:  # the visitor left mid-race (Gradio closed this generator): free the lane now
             flag.set()
@@ -220,8 +221,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         runs.finish(run_id)
     state["run"] = None
     ran = [m for m in MODES if m in state["traces"]]
-    timed_out = flag.timed_out()
-    stopped = flag.is_set() or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
+    stopped = cancelled or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     health.count("stopped" if stopped else "races")
     health.trim()
     health.sweep()

@@ -91,6 +91,8 @@ def preload(name: str) -> Optional[str]:
         get_bundle(check_bundle(name))
     except (ValueError, FileNotFoundError, OSError) as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001 - at start-up anything (CUDA out of memory, a missing package) must leave the app serving
+        return f"{type(e).__name__}: {e}"
     return None
 
 

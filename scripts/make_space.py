@@ -127,9 +127,13 @@ def write_space(kind: str, out: Path, root: Path = ROOT, force: bool = False) ->
     out = Path(out)
     if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
         raise ValueError(f"{out} is inside the repository: write the Space somewhere else")
+    if out.resolve() in root.resolve().parents or out.resolve() == Path.home().resolve():
+        raise ValueError(f"{out} holds the repository (or is your home folder): write the Space somewhere else")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise ValueError(f"{out} exists and is not empty (pass --force to replace it)")
+        if not ((out / "app.py").is_file() and (out / "d3d_core").is_dir()):  # --force replaces an earlier recipe, nothing else
+            raise ValueError(f"{out} is not an earlier Space recipe (no app.py and d3d_core/): not replacing it")
         shutil.rmtree(out)
     files = repo_files(root)
     if kind != "cpu":

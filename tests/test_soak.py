@@ -169,7 +169,7 @@ def test_the_verdict_on_synthetic_series_noise_passes_a_linear_leak_fails():
 def test_too_short_a_soak_is_not_passed():
     samples, _ = _recorded()
     v = _judge([r for r in samples if r["races"] < 3], 3)
-    assert v["pass"]["rss_flat"] is False  # nothing to fit is not "flat"
+    assert v["pass"]["rss_flat"] is False and "too few races" in v["not_judged"]  # nothing to fit is not "flat", and it says why
 
 
 def test_sen_slope_and_its_interval():
@@ -224,3 +224,9 @@ def test_a_failing_verdict_keeps_the_measured_soak_on_disk(tmp_path, monkeypatch
     monkeypatch.undo()
     assert soak_mod.main(["--rejudge", str(out / "soak.json")]) == 0
     assert json.loads((out / "soak.json").read_text())["verdict"]["pass"]["rss_flat"]
+    # the raw log is judged beside the fuller soak.json, never over it; a stray line in it is skipped, not a traceback
+    with open(out / "soak.raw.jsonl", "a") as f:
+        f.write("7\n{not json\n")
+    before = (out / "soak.json").read_text()
+    assert soak_mod.main(["--rejudge", str(out / "soak.raw.jsonl")]) == 1  # 5 samples: too few to judge
+    assert (out / "soak.json").read_text() == before and "not_judged" in json.loads((out / "soak.rejudged.json").read_text())["verdict"]

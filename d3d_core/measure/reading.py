@@ -173,7 +173,8 @@ def race_load(traces: list) -> Optional[RaceLoad]:
     steal = sum(ld.steal_s for _, ld in loads) / wall
     cores = max(ld.cores for _, ld in loads)
     busy, why = busy_verdict(other, steal, cores)
-    busiest, worst = max(loads, key=lambda p: p[1].other_cores + p[1].steal_s / max(p[1].wall_s, 1e-9))
+    flagged = [p for p in loads if p[1].busy] or loads  # name a mode that was itself flagged, when one was
+    busiest, worst = max(flagged, key=lambda p: p[1].other_cores + p[1].steal_s / max(p[1].wall_s, 1e-9))
     if not busy and any(ld.busy for _, ld in loads):
         busy, why = True, f"{worst.reason} (while `{busiest}` ran)"
     return RaceLoad(round(wall, 2), round(other, 3), round(steal, 3), cores, busy, why, busiest)

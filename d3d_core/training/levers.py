@@ -118,12 +118,12 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
         key = f"{name}@{minutes}"
         if key not in plan:
             c = step_cost(bundle, examples, recipe_config(name))
-            steps = max(10, int(minutes * 60 * 1000 / (c["ms_per_seq"] * TrainConfig.accum)))
-            plan[key] = {"steps": steps, "cost": c}
+            n_steps = max(10, int(minutes * 60 * 1000 / (c["ms_per_seq"] * TrainConfig.accum)))
+            plan[key] = {"steps": n_steps, "cost": c}
             plan_f.parent.mkdir(parents=True, exist_ok=True)
             plan_f.write_text(json.dumps(plan, indent=1))
-        steps = plan[key]["steps"]
-        cfg = recipe_config(name, steps=steps, warmup=max(1, steps // 10), eval_every=steps, eval_seqs=8, ckpt_every=10)
+        n_steps = plan[key]["steps"]
+        cfg = recipe_config(name, steps=n_steps, warmup=max(1, n_steps // 10), eval_every=n_steps, eval_seqs=8, ckpt_every=10)
         out = cache_dir() / "levers" / key
         t0 = time.process_time()
         res = train(bundle, examples, cfg, out, progress=False, guard=steps)
