@@ -1,3 +1,4 @@
+import contextlib
 import os
 import runpy
 from pathlib import Path
@@ -63,3 +64,28 @@ def api_message(client, api_name: str, *args) -> str:
         return out[0] if isinstance(out, (list, tuple)) else out
     except AppError as e:
         return "AppError: " + str(e)
+
+
+@contextlib.contextmanager
+def engine(target, name):
+    """Decode through ``target`` on engine ``name`` (fast / eager / int4) inside the block."""
+    old = target.engine_request
+    target.engine_request = name
+    try:
+        yield
+    finally:
+        target.engine_request = old
+
+
+def assert_all_modes_equal_ar(bundle, prompts, max_new_tokens=48, block_size=8):
+    """At temperature 0 every drafting mode emits exactly the ``ar`` tokens on each prompt."""
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import decode
+    from d3d_core.decoding.trace import MODES
+
+    for p in prompts:
+        ref = decode(bundle, p, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
+        assert len(ref.output_ids) == max_new_tokens or ref.finish_reason == "eos"
+        for mode in MODES[1:]:
+            tr = decode(bundle, p, DecodeConfig(mode=mode, max_new_tokens=max_new_tokens, block_size=block_size))
+            assert tr.output_ids == ref.output_ids, (mode, p, tr.output_text, ref.output_text)

@@ -1,10 +1,10 @@
 """The fast CPU engine: same tokens as the eager Hugging Face path, clean fallback, and the
 cost breakdown / quietness records the bench and the costs command write."""
 
-import contextlib
 
 import pytest
 import torch
+from conftest import engine
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
@@ -12,16 +12,6 @@ from d3d_core.decoding.trace import MODES
 from d3d_core.measure.machine import QuietWatch
 from d3d_core.models import fastops
 from d3d_core.models.target import StaticKV
-
-
-@contextlib.contextmanager
-def engine(target, name):
-    old = target.engine_request
-    target.engine_request = name
-    try:
-        yield
-    finally:
-        target.engine_request = old
 
 
 @pytest.mark.parametrize("bundle_name", ["toy", "toy_qwen3"])

@@ -1,11 +1,11 @@
 """The int4 engine: the kernel's weight format, the GGUF blocks mapped onto it, and every mode lossless on it."""
 
-import contextlib
 import json
 
 import numpy as np
 import pytest
 import torch
+from conftest import assert_all_modes_equal_ar, engine
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
@@ -16,14 +16,6 @@ from d3d_core.models.target import Target
 PROMPTS = ["what is two plus two?", "write a short poem about rain", "count: 1, 2, 3"]
 
 
-@contextlib.contextmanager
-def engine(target, name):
-    old = target.engine_request
-    target.engine_request = name
-    try:
-        yield
-    finally:
-        target.engine_request = old
 
 
 def random_codes(n, k, seed=0):
@@ -203,9 +195,4 @@ def test_real_bundle_int4_all_modes_equal_ar(smollm):
         assert t.new_cache().int4 is not None
         info = t.int4_info()
         assert info["all_layer_linears_int4"] and info["int4_linears"] == 4 * t.num_layers and info["lm_head"].startswith("int4")
-        for p in prompts:
-            ref = decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48))
-            assert len(ref.output_ids) == 48 or ref.finish_reason == "eos"
-            for mode in MODES[1:]:
-                tr = decode(smollm, p, DecodeConfig(mode=mode, max_new_tokens=48, block_size=8))
-                assert tr.output_ids == ref.output_ids, (mode, p, tr.output_text, ref.output_text)
+        assert_all_modes_equal_ar(smollm, prompts)

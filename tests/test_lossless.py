@@ -1,6 +1,7 @@
 """Temperature 0: every mode emits exactly the AR tokens."""
 
 import pytest
+from conftest import assert_all_modes_equal_ar
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
@@ -47,12 +48,7 @@ def test_real_bundle_all_modes_equal_ar(smollm):
         "Write a Python function that reverses a string.",
         "Give me three tips for a good night's sleep.",
     ]
-    for p in prompts:
-        ref = decode(smollm, p, DecodeConfig(mode="ar", max_new_tokens=48))
-        assert len(ref.output_ids) == 48 or ref.finish_reason == "eos"
-        for mode in MODES[1:]:
-            tr = decode(smollm, p, DecodeConfig(mode=mode, max_new_tokens=48, block_size=8))
-            assert tr.output_ids == ref.output_ids, (mode, p, tr.output_text, ref.output_text)
+    assert_all_modes_equal_ar(smollm, prompts)
 
 
 def test_shortlisted_drafters_stay_lossless(toy):

@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..decoding.trace import Trace, busy_intervals, intersect_length
 from ..limits import RACE_MIN_TIMED_ROUNDS
-from .reading import implausible, speedup_spread
+from .reading import implausible, speedup_label, speedup_spread
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,7 @@ class Economics:
     def speedup_label(self) -> str:
         """``1.55× (1.47–1.63)`` (the spread: 10–90 % of a round-level bootstrap), ``too short to time (7 rounds)``,
         or "–" without ar."""
-        if self.too_short:
-            return f"too short to time ({self.timed_rounds} rounds)"
-        if self.speedup is None:
-            return "–"
-        if self.speedup_lo is None:
-            return f"{self.speedup:.2f}×"
-        return f"{self.speedup:.2f}× ({self.speedup_lo:.2f}–{self.speedup_hi:.2f})"
+        return speedup_label(self.speedup, self.speedup_lo, self.speedup_hi, self.too_short, self.timed_rounds)
 
     def sentence(self) -> str:
         """One sentence: how fast this mode was against ar, and why (or that the race was too short to say, or that

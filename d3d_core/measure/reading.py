@@ -30,6 +30,18 @@ SPREAD_PERCENTILES = (10.0, 90.0)
 IMPLAUSIBLE_BELOW = 0.95  # a verify (k >= 2) or a round under this many ar steps is flagged (5 % for rounding and jitter)
 
 
+def speedup_label(speedup, lo, hi, too_short: bool, rounds: int) -> str:
+    """How a speedup reads everywhere: ``1.55× (1.47–1.63)`` with its spread, ``1.55×`` without one,
+    ``too short to time (7 rounds)``, or "–" without a reading."""
+    if too_short:
+        return f"too short to time ({rounds} rounds)"
+    if speedup is None:
+        return "–"
+    if lo is None:
+        return f"{speedup:.2f}×"
+    return f"{speedup:.2f}× ({lo:.2f}–{hi:.2f})"
+
+
 def round_times(trace: Optional[Trace]) -> tuple:
     """(ms of each decode round, tokens each committed) as two lists, times summing to the decode time; ([], [])
     when the trace has no round or no decode time."""
@@ -69,13 +81,7 @@ class Spread:
 
     def label(self) -> str:
         """``1.55× (1.47–1.63)``, or ``too short to time (7 rounds)``."""
-        if self.too_short:
-            return f"too short to time ({min(self.rounds, self.ar_rounds)} rounds)"
-        if self.speedup is None:
-            return "–"
-        if self.lo is None:
-            return f"{self.speedup:.2f}×"
-        return f"{self.speedup:.2f}× ({self.lo:.2f}–{self.hi:.2f})"
+        return speedup_label(self.speedup, self.lo, self.hi, self.too_short, min(self.rounds, self.ar_rounds))
 
 
 def speedup_spread(trace: Trace, ar: Optional[Trace], resamples: int = RACE_SPREAD_RESAMPLES, seed: int = 0,
