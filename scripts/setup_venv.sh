@@ -2,11 +2,21 @@
 # Create or update the virtual environment in .venv/ at the repo root.
 #   scripts/setup_venv.sh          runtime dependencies (what the app needs)
 #   scripts/setup_venv.sh --dev    + test dependencies and Debian's chromium for browser tests
+#   scripts/setup_venv.sh --llama-cpp  + llama-cpp-python, the optional llama.cpp peer of the bench and the
+#                                  Benchmarks tab (compiled from source: about 5 minutes on two cores, needs cmake + a C++ compiler)
 # Idempotent: reinstalls only when a requirements file changed (stamp in .venv/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=0
-[[ "${1:-}" == "--dev" ]] && DEV=1
+LLAMA=0
+for a in "$@"; do
+  case "$a" in
+    --dev) DEV=1 ;;
+    --llama-cpp) LLAMA=1 ;;
+    *) echo "usage: scripts/setup_venv.sh [--dev] [--llama-cpp]" >&2; exit 2 ;;
+  esac
+done
+LLAMA_CPP_VERSION=0.3.36  # keep equal to d3d_core/measure/peers.py LLAMA_CPP_VERSION
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
   echo "[setup] creating .venv with $($PY --version)" >&2
@@ -28,6 +38,10 @@ if [[ ! -f $stamp || "$(cat $stamp)" != "$hash" ]]; then
     .venv/bin/python -m pip install -q -r requirements-dev.txt >&2
   fi
   echo "$hash" > "$stamp"
+fi
+if [[ $LLAMA == 1 ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "[setup] compiling llama-cpp-python==$LLAMA_CPP_VERSION for this CPU (about 5 minutes on two cores)" >&2
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_VERSION" >&2
 fi
 if [[ $DEV == 1 && ! -x /usr/bin/chromium ]]; then
   # browser tests drive Debian's chromium (never `playwright install`)

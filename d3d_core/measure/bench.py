@@ -38,7 +38,7 @@ from .costs import costs_text, probe_costs
 from .datasets import load_benchmark, parse_datasets, prompt_items
 from .latency import mean_span, validate, validate_in_run
 from .machine import QuietWatch, machine_info, step_reference
-from .peers import PEERS, run_peer
+from .peers import HF_PEERS, PEERS, parse_peers, run_peer, usable_peers
 from .rawfirst import Steps, raw_path, write_json_atomic
 from .tables import SUMMARY_COLS, _fmt, table_markdown, table_text
 
@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-int8", choices=["on", "off"], default="on" if fastops.int8_status()["drafter_int8"] == "on" else "off",
                    help="on: the D3D drafter's MLPs and shortlist head run in int8 where the fast engine can (default here; "
                         "D3D_DRAFTER_INT8=off changes it); off: fp32")
-    p.add_argument("--peers", default=",".join(PEERS),
-                   help="comma list of peers run beside the modes at temperature 0 (" + ", ".join(PEERS) + "), or 'none'")
+    p.add_argument("--peers", default=",".join(HF_PEERS),
+                   help="comma list of peers run beside the modes at temperature 0 (" + ", ".join(PEERS) + "; llama-cpp names "
+                        "both llama.cpp rows, an optional install: scripts/setup_venv.sh --llama-cpp), or 'none'")
     p.add_argument("--cost-probe", action="store_true", help="also measure T_step, T_verify(B), T_draft, T_packed(H) and check the latency model")
     p.add_argument("--verify", choices=list(VERIFY_RULES), default=DecodeConfig().verify,
                    help="adaptive: verify the draft prefix that pays for itself on this bundle's cost table; full: all B-1 drafts")
@@ -329,10 +330,7 @@ def main(argv=None) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
-        peers = [] if args.peers.strip() in ("", "none") else [x.strip() for x in args.peers.split(",") if x.strip()]
-        bad = [x for x in peers if x not in PEERS]
-        if bad:
-            raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
+        peers = parse_peers(args.peers)
         if args.temperature > 0:
             peers = []  # peers are greedy baselines
         fastops.set_enabled(args.engine != "eager")
@@ -360,7 +358,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: --block-sizes: {e}", file=sys.stderr)
         return 2
-    drafters = load_override_drafters(bundle, args)
+    peers = usable_peers(bundle, peers, warn=lambda m: print(m, file=sys.stderr))
+    try:
+        drafters = load_override_drafters(bundle, args)
+    except (ValueError, FileNotFoundError) as e:  # a drafter that cannot be loaded: one sentence, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dist = Dist.from_env(bundle.device)
     t0 = time.time()
     watch = QuietWatch()

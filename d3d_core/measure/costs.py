@@ -171,7 +171,8 @@ def costs_text(c: dict) -> str:
 # The measured rows reach ``<out stem>.raw.json`` before the overlap probe and any summary run
 # (``rawfirst``): a failing step is named, recorded in ``failed_steps`` and the command exits 1.
 
-GEMM_OPS = ("mkldnn::_linear_pointwise", "quantized::linear_dynamic", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")  # int8: drafters
+GEMM_OPS = ("mkldnn::_linear_pointwise", "quantized::linear_dynamic", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear",  # int8: drafters
+            "aten::_weight_int4pack_mm_for_cpu")  # the int4 engine's GEMMs
 PARTS = ("layer_gemm", "attention", "lm_head", "other")
 
 
@@ -198,11 +199,20 @@ def _layer_params(arch) -> int:
     return _attn_params(arch) + _mlp_params(arch)
 
 
-def work_of(arch, n_rows: int, n_layers: int, head_rows: int, head_vocab: int, ctx: int, int8: bool = False) -> dict:
+def work_of(arch, n_rows: int, n_layers: int, head_rows: int, head_vocab: int, ctx: int, int8: bool = False,
+            int4: bool = False) -> dict:
     """Bytes read (weights + fp32 KV) and FLOPs of a forward over ``n_rows`` query rows. Weights are fp32
     (4 bytes), except with ``int8`` (a drafter as decoding runs it, see fastops.mark_int8): the MLPs and
-    the head are 1 byte per weight plus one fp32 scale per output row; attention stays fp32."""
+    the head are 1 byte per weight plus one fp32 scale per output row; attention stays fp32; and with ``int4``
+    (the int4 engine's target): every layer linear is half a byte per weight plus a bf16 scale and zero per group
+    of 32 (0.625 bytes a weight); the head, the GGUF's Q8_0 blocks run as two 4-bit planes, twice that."""
     h = arch.hidden_size
+    if int4:
+        w_bytes = 0.625 * (_layer_params(arch) * n_layers + 2 * head_vocab * h)
+        kv = 2 * n_layers * arch.num_key_value_heads * arch.head_dim * (ctx + n_rows)
+        attn = 4 * n_rows * (ctx + n_rows) * arch.num_attention_heads * arch.head_dim * n_layers
+        flops = 2 * n_rows * _layer_params(arch) * n_layers + 2 * head_rows * head_vocab * h + attn
+        return {"bytes": int(w_bytes + 4 * kv), "flops": flops}
     if int8:
         mlp_b = _mlp_params(arch) + 4 * (2 * arch.intermediate_size + h)
         head_b = head_vocab * h + 4 * head_vocab
@@ -256,8 +266,9 @@ def breakdown(bundle, ctx_len: int = 300, block_sizes=VERIFY_WIDTHS, hypotheses=
     cfg = DecodeConfig(block_size=B_draft)
     draft = d3d_draft(d3d, dcache, [], 5, cfg, g)
     head_k = lambda d: len(d.cfg.vocab_shortlist) or V  # noqa: E731
-    forwards = [("step", 1, verifier(1), work_of(arch, 1, L, 1, V, ctx_len))]
-    forwards += [(f"verify({B})", B, verifier(B), work_of(arch, B, L, B, V, ctx_len)) for B in block_sizes]
+    q4 = target.engine == "int4"
+    forwards = [("step", 1, verifier(1), work_of(arch, 1, L, 1, V, ctx_len, int4=q4))]
+    forwards += [(f"verify({B})", B, verifier(B), work_of(arch, B, L, B, V, ctx_len, int4=q4)) for B in block_sizes]
     nd = len(d3d.active_layers())
     q8 = fastops.int8_status()["drafter_int8"] == "on"  # the D3D drafter's MLPs and head read 1 byte per weight
     forwards.append((f"d3d draft({B_draft})", B_draft, lambda: d3d_draft(d3d, dcache, [], 5, cfg, g),

@@ -1,0 +1,100 @@
+"""The engines yardstick (``measure.engines``) and the llama.cpp peer: parsing, skipping with a message when it
+cannot run, the summary's ratios and agreement, and (where llama-cpp-python is installed) a real llama.cpp decode."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from d3d_core.measure import bench, engines, peers
+
+FIX = Path(__file__).parent / "fixtures" / "datasets"
+
+
+def test_parse_peers_expands_llama_cpp_and_refuses_unknown():
+    assert peers.parse_peers("none") == [] and peers.parse_peers("") == []
+    assert peers.parse_peers("hf-generate,llama-cpp") == ["hf-generate", "llama-cpp", "llama-cpp-lookup"]
+    assert peers.parse_peers("llama-cpp-lookup,llama-cpp") == ["llama-cpp-lookup", "llama-cpp"]
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        peers.parse_peers("vllm")
+
+
+def test_llama_peer_is_skipped_with_a_message_when_it_cannot_run(toy, monkeypatch):
+    said = []
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
+    assert peers.usable_peers(toy, ["hf-generate", "llama-cpp", "llama-cpp-lookup"], warn=said.append) == ["hf-generate"]
+    assert len(said) == 1 and "scripts/setup_venv.sh --llama-cpp" in said[0] and "llama-cpp-lookup" in said[0]
+    said.clear()
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: True)  # installed, but the toy target has no GGUF
+    assert peers.usable_peers(toy, ["llama-cpp"], warn=said.append) == []
+    assert "has none" in said[0] and "GGUF" in said[0]
+    assert peers.usable_peers(toy, ["hf-generate"], warn=said.append) == ["hf-generate"] and len(said) == 1
+
+
+def test_bench_runs_on_without_llama_cpp(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
+    out = tmp_path / "r.json"
+    assert bench.main(["--bundle", "toy", "--modes", "ar", "--data-dir", str(FIX), "--datasets", "gsm8k", "--n", "1",
+                       "--max-new-tokens", "8", "--peers", "llama-cpp", "--out", str(out), "--no-progress"]) == 0
+    assert "scripts/setup_venv.sh --llama-cpp" in capsys.readouterr().err
+    assert {r["mode"] for r in json.loads(out.read_text())["rows"]} == {"ar"}
+
+
+def test_engines_command_on_toy(tmp_path, capsys):
+    """fp32 and int4 engines (the toy's int4 blocks are quantised from fp32) and the HF peer, on the same prompts:
+    each prompt's order rotates, every runner decodes every prompt, and the summary's pairs are consistent."""
+    out = tmp_path / "e.json"
+    rc = engines.main(["--bundle", "toy", "--data-dir", str(FIX), "--datasets", "gsm8k,mt_bench", "--n", "2",
+                       "--max-new-tokens", "12", "--engines", "fast,int4", "--peers", "hf-generate", "--out", str(out),
+                       "--no-progress"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["runners"] == ["fast", "int4", "hf-generate"] and len(res["rows"]) == 4
+    assert [r["order"][0] for r in res["rows"]] == ["fast", "int4", "hf-generate", "fast"]  # rotated per prompt
+    for r in res["rows"]:
+        assert set(r["runs"]) == {"fast", "int4", "hf-generate"}
+        assert all(x["n_tokens"] >= 1 and x["decode_time_s"] > 0 for x in r["runs"].values())
+        assert r["runs"]["fast"]["step_ms"] > 0 and r["runs"]["hf-generate"]["step_ms"] is None
+    s = res["summary"]
+    assert set(s["runners"]) == {"fast", "int4", "hf-generate"}
+    pair = {(p["a"], p["b"]): p for p in s["pairs"]}
+    fh = pair[("fast", "hf-generate")]
+    assert fh["identical"] == 1.0 and fh["shared_prefix_share"] == 1.0  # HF's eager forward prints the fast engine's tokens on the toy
+    fi = pair[("fast", "int4")]
+    want = s["runners"]["fast"]["tokens_per_s"] / s["runners"]["int4"]["tokens_per_s"]
+    assert fi["speed_ratio"] == pytest.approx(want)
+    assert fi["speed_ratio_min"] <= fi["speed_ratio_median"] <= fi["speed_ratio_max"]
+    printed = capsys.readouterr().out
+    assert "fast / int4" in printed and "tok/s" in printed
+
+
+def test_engines_summary_agreement_counts_shared_prefix():
+    rows = [{"runs": {"a": {"n_tokens": 4, "decode_time_s": 1.0, "tokens_per_s": 3.0, "step_ms": 1.0, "output_ids": [1, 2, 3, 4]},
+                      "b": {"n_tokens": 4, "decode_time_s": 0.5, "tokens_per_s": 6.0, "step_ms": None, "output_ids": [1, 2, 9, 9]}}}]
+    s = engines.summarize(rows, ["a", "b"])
+    p = s["pairs"][0]
+    assert p["speed_ratio"] == pytest.approx(0.5) and p["identical"] == 0.0
+    assert p["shared_prefix_mean"] == 2 and p["shared_prefix_share"] == pytest.approx(0.5)
+
+
+def test_engines_bad_arguments(tmp_path, capsys):
+    assert engines.main(["--bundle", "toy", "--engines", "warp", "--out", str(tmp_path / "x.json")]) == 2
+    assert "unknown engine" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not peers.llama_cpp_available(), reason="llama-cpp-python not installed (scripts/setup_venv.sh --llama-cpp)")
+def test_llama_cpp_peer_decodes_the_bundled_gguf(smollm):
+    """llama.cpp on the same GGUF, greedy: a full row, our tokenizer's ids, and the same opening tokens as our ar
+    (fp32 vs Q4_1 rounding may part them later; the bench reports where)."""
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import decode
+    from d3d_core.measure.datasets import prompt_items
+
+    cfg = DecodeConfig(mode="ar", max_new_tokens=16, stop_at_eos=False)
+    item = prompt_items("What is 12 times 7? Answer briefly.", 1)[0]
+    ids = smollm.tokenizer.encode_messages(item.messages)
+    ref = decode(smollm, ids, cfg).output_ids
+    for name in peers.LLAMA_PEERS:
+        row = peers.run_peer(smollm, name, ids, cfg, item, ref)
+        assert row["mode"] == name and row["n_tokens"] == 16 and row["decode_time_s"] > 0 and row["tau"] is None
+        assert row["same_prefix"] >= 4, smollm.tokenizer.decode(peers.peer_decode(smollm, name, ids, cfg)[0])
