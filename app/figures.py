@@ -1,7 +1,11 @@
 """Every plot is a pure function of Traces (or of a pruning curve / bench result) -> plotly Figure.
 
-No Gradio here, no model access: testable without a browser. Colours follow the
-Okabe-Ito palette (colour-blind safe); every state also has a text label or symbol.
+No Gradio here, no model access: testable without a browser. Every state also has a text label or symbol.
+
+Colour: one meaning per colour, across every plot, the race columns (``app.tokens``) and the texts that name a colour
+(``PALETTE`` below is the list; ``tests/test_figures.py`` holds the figures to it). Okabe-Ito for the work and the
+verdicts, Paul Tol's muted scheme for the modes, the pruning plots and the cost breakdown, so that no colour is
+reused with another meaning (both colour-blind safe).
 """
 
 from __future__ import annotations
@@ -13,13 +17,38 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from d3d_core.decoding.plan import plan_label, plan_of
-from d3d_core.decoding.trace import Trace, idle_time, overlap_share
+from d3d_core.decoding.trace import Trace, hit_rate_of, idle_time, needed_verdicts, overlap_share
 from d3d_core.measure.economics import race_economics
 
-# Okabe-Ito
+# Okabe-Ito: the work (what a lane does) and its verdicts
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#999999",
 )
+PALE_YELLOW, PALE_BLUE, PALE_GREY = "#FBEFB0", "#D5DEEA", "#DDDDDD"
+# Paul Tol (muted): the modes, the pruning plots and the cost breakdown
+INDIGO, CYAN, TEAL, OLIVE, SAND, ROSE, WINE, DARK = (
+    "#332288", "#88CCEE", "#44AA99", "#999933", "#DDCC77", "#CC6677", "#882255", "#4D4D4D",
+)
+PALETTE = {  # colour -> its one meaning (the legend of every plot uses these words)
+    BLUE: "the target: verify (its forward), its bonus / corrected token",
+    ORANGE: "a draft the target waits for: draft after verify, draft not hidden",
+    GREEN: "drafting hidden behind verify and what it buys: packed draft, accepted draft, hit ✓",
+    VERMILLION: "a miss and what it costs: sync draft after a miss, miss ✗, first mismatch, rejected draft",
+    PURPLE: "prefill: the prompt's forward and the first token",
+    GREY: "other / neutral: neither lane busy, idle, reference lines, a layer cheap to remove",
+    PALE_YELLOW: "held back: drafted, not verified (verify plan)",
+    PALE_BLUE: "no draft: the draft gate skipped the round",
+    PALE_GREY: "the anchor (already committed)",
+    DARK: "mode ar",
+    WINE: "mode dflash",
+    TEAL: "mode d3d-seq",
+    INDIGO: "mode d3d-async",
+    CYAN: "pruning: calibration τ (chosen on), a drafter layer · cost breakdown: layer GEMMs",
+    OLIVE: "pruning: held-out τ · cost breakdown: attention",
+    SAND: "pruning: healed points and their control · cost breakdown: LM head",
+    ROSE: "pruning: a layer whose removal costs > 0.05 τ",
+    "black": "a marker you placed or a bound: your selection (pruning), the machine's bound (cost breakdown)",
+}
 KIND_COLOURS = {"prefill": PURPLE, "verify": BLUE, "draft": ORANGE, "packed_draft": GREEN, "sync_draft": VERMILLION}
 KIND_LABELS = {
     "prefill": "prefill",
@@ -28,7 +57,7 @@ KIND_LABELS = {
     "packed_draft": "packed draft (during verify)",
     "sync_draft": "sync draft (after a miss)",
 }
-MODE_COLOURS = {"ar": GREY, "dflash": ORANGE, "d3d-seq": SKY, "d3d-async": GREEN}
+MODE_COLOURS = {"ar": DARK, "dflash": WINE, "d3d-seq": TEAL, "d3d-async": INDIGO}
 LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=40), font=dict(size=13))
 
 
@@ -84,7 +113,7 @@ def timeline_figure(traces: list, projected: Optional[str] = None) -> go.Figure:
             continue
         ends = {s.round: s.t_end for s in tr.spans if s.kind == "verify"}
         for hit, sym, col, name in ((True, "triangle-up", GREEN, "hit ✓"), (False, "x", VERMILLION, "miss ✗")):
-            xs = [ends[r.index] for r in tr.rounds if r.hit is hit and r.index in ends]
+            xs = [ends[r.index] for r in needed_verdicts(tr) if r.hit is hit and r.index in ends]
             if xs:
                 fig.add_trace(go.Scatter(
                     x=xs, y=[f"{tr.mode} · target"] * len(xs), mode="markers", name=name,
@@ -117,9 +146,62 @@ def timeline_summary(traces: list) -> pd.DataFrame:
             "overlap share": "-" if tr.mode != "d3d-async" or ov is None else f"{ov:.0%}",
             "target idle (ms)": round(idle_time(tr.spans, "target", 0.0, end), 1),
             "drafter idle (ms)": "-" if tr.mode == "ar" else round(idle_time(tr.spans, "drafter", 0.0, end), 1),
-            "hit rate": "-" if tr.stats.hit_rate is None else f"{tr.stats.hit_rate:.0%}",
+            "hit rate": "-" if (hr := hit_rate_of(tr)) is None else f"{hr:.0%}",
         })
     return pd.DataFrame(rows, columns=["mode", "wall (ms)", "overlap share", "target idle (ms)", "drafter idle (ms)", "hit rate"])
+
+
+def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
+    """Why each drafting mode's target waited, read from the traces' own numbers (no fixed sentence): the share of
+    the decode the target sat idle, and for d3d-async whether verify or the packed pass was the longer, its miss rate
+    (each miss a sync draft the target waits for) and how much longer its verify ran than d3d-seq's (the two lanes
+    share the cores). "" without a finished drafting mode."""
+    ec = {e.mode: e for e in race_economics([t for t in traces if t is not None])}
+    by_mode = {t.mode: t for t in traces if t is not None}
+    out = []
+    for mode in ("dflash", "d3d-seq", "d3d-async"):
+        e, tr = ec.get(mode), by_mode.get(mode)
+        if e is None or tr is None:
+            continue
+        end = max((s.t_end for s in tr.spans), default=0.0)
+        t0 = min((s.t_end for s in tr.spans if s.kind == "prefill" and s.lane == "target"), default=0.0)
+        waited = idle_time([s for s in tr.spans if s.round >= 0], "target", t0, end) / max(end - t0, 1e-9)
+        head = f"**{mode}**: the target sat idle {waited:.0%} of the decode"
+        if mode != "d3d-async":
+            draft = f"{e.t_draft_ms:.0f} ms" if e.t_draft_ms is not None else "–"
+            out.append(f"{head} — it waits for every draft ({draft} each, after each verify of {e.t_verify_ms:.0f} ms): "
+                       "nothing here overlaps.")
+            continue
+        parts = []
+        if e.t_packed_ms is not None:
+            if e.t_packed_ms > e.t_verify_ms:
+                parts.append(f"the packed pass ({e.t_packed_ms:.0f} ms) outlasts verify ({e.t_verify_ms:.0f} ms), so even a hit "
+                             f"waits about {e.t_packed_ms - e.t_verify_ms:.0f} ms for it")
+            else:
+                parts.append(f"verify ({e.t_verify_ms:.0f} ms) outlasts the packed pass ({e.t_packed_ms:.0f} ms), so a hit's "
+                             "next block is ready when verify returns")
+        hr = hit_rate_of(tr)
+        n_sync = sum(1 for s in tr.spans if s.kind == "sync_draft")
+        if hr is not None:
+            sync = [s.duration for s in tr.spans if s.kind == "sync_draft"]
+            cost = f", each followed by a sync draft of {sum(sync) / len(sync):.0f} ms the target waits for" if sync else ""
+            parts.append(f"{1 - hr:.0%} of the rounds that needed a next block missed{cost} ({n_sync} sync drafts)")
+        seq = ec.get("d3d-seq")
+        if seq is not None and seq.t_verify_ms > 0 and not projected:
+            r = e.t_verify_ms / seq.t_verify_ms
+            if r >= 1.1:
+                parts.append(f"its verify ran {r:.2f}× as long as d3d-seq's ({e.t_verify_ms:.0f} vs {seq.t_verify_ms:.0f} ms): "
+                             "the two lanes share the cores and the memory bus")
+            elif r <= 0.9:
+                parts.append(f"⚠ its verify read shorter than d3d-seq's ({e.t_verify_ms:.0f} vs {seq.t_verify_ms:.0f} ms), which "
+                             "sharing the cores cannot do: the machine's speed changed between the modes (timing noise)")
+            else:
+                parts.append(f"its verify ran about as long as d3d-seq's ({e.t_verify_ms:.0f} vs {seq.t_verify_ms:.0f} ms)")
+        out.append(f"{head}: " + "; ".join(parts) + "." if parts else head + ".")
+    if not out:
+        return ""
+    tag = f" (projected under “{projected}”)" if projected else " (measured)"
+    return f"**Why the target waited{tag}** — from this run's spans:\n" + "\n".join(f"- {x}" for x in out)
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -165,15 +247,25 @@ def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure
 def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFrame:
     """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step);
     the clock column says whether the times were measured or projected under a profile."""
-    cols = ["clock", "mode", "τ", "T_step", "T_verify(B)", "T_draft", "T_packed", "hit rate", "round", "round / τ (ms/token)",
-            "ms/token (from spans)", "speedup", "speedup 10–90 %", "break-even τ", "flags"]
+    cols = ["clock", "mode", "τ", "T_step (ar ms/token)", "ar forward", "T_verify(B)", "T_draft", "T_packed", "hit rate",
+            "round", "= verify", "+ draft not hidden", "+ other", "ms/token", "speedup", "speedup 10–90 %",
+            "break-even τ = round / T_step", "flags"]
     rows = []
     for e in race_economics(traces):
         spread = (f"{e.speedup_lo:.2f}–{e.speedup_hi:.2f}" if e.speedup_lo is not None else "") if not e.too_short else e.speedup_label()
-        rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.t_verify_ms, e.t_draft_ms, e.t_packed_ms, e.hit_rate, e.round_ms,
-                     e.round_ms / e.tau if e.tau else None, e.per_token_ms, None if e.too_short else e.speedup, spread, e.break_even_tau,
-                     "; ".join(f"implausible: {f}" for f in e.flags)])
+        v, d, o = e.round_parts_ms()
+        rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.ar_forward_ms, e.t_verify_ms, e.t_draft_ms,
+                     e.t_packed_ms, e.hit_rate, e.round_ms, v, d, o, e.per_token_ms, None if e.too_short else e.speedup, spread,
+                     e.break_even_tau, short_flags(e.flags)])
     return pd.DataFrame(rows, columns=cols).round(2)
+
+
+def short_flags(flags) -> str:
+    """The implausibility flags in a few words for a table cell (the status line has them in full)."""
+    if not flags:
+        return ""
+    short = [f.split(" read ")[0].replace("a round (which holds a verify)", "round") + " < ar step" for f in flags]
+    return "⚠ timing noise: " + "; ".join(short)
 
 
 def acceptance_figure(traces: list) -> go.Figure:
@@ -196,8 +288,9 @@ def acceptance_figure(traces: list) -> go.Figure:
         ))
         fig.add_vline(x=tr.stats.tau, line=dict(color=MODE_COLOURS.get(tr.mode, GREY), dash="dash", width=2))
     fig.update_layout(
-        title="Tokens per round (accepted drafts + bonus); dashed line = τ", barmode="group",
-        xaxis=dict(title="tokens committed in the round", dtick=1), yaxis=dict(title="share of rounds", tickformat=".0%"),
+        title="This race: tokens committed per round, a + 1 (1 … B); dashed line = τ", barmode="group",
+        xaxis=dict(title="tokens committed in the round: accepted drafts a + the bonus (undrafted rounds: 1)", dtick=1),
+        yaxis=dict(title="share of rounds", tickformat=".0%"),
         legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT,
     )
     return fig
@@ -206,7 +299,8 @@ def acceptance_figure(traces: list) -> go.Figure:
 def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Figure:
     """Measured τ and speedup per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}:
     two panels side by side, because a longer block raises τ but also the verify cost. d3d-seq and
-    d3d-async share τ exactly (same drafter, same verify), so d3d-seq's τ line is dashed and wider."""
+    d3d-async run the same drafter but need not reach the same τ: the draft gate and the verify plan
+    weigh each mode's own round cost (a skipped round counts τ 1)."""
     if not sweep:
         return _empty("Speedup vs block size", "No block-size sweep measured for this bundle yet (python -m d3d_core.measure.bench --block-sizes …).")
     from plotly.subplots import make_subplots
@@ -216,9 +310,8 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Fig
         pts = {int(b): v for b, v in pts.items()}
         bs = sorted(pts)
         col = MODE_COLOURS.get(mode, GREY)
-        seq = mode == "d3d-seq"
         fig.add_trace(go.Scatter(x=bs, y=[pts[b]["tau"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
-                                 marker=dict(color=col, size=12 if seq else 7), line=dict(dash="dash" if seq else "solid", width=4 if seq else 2),
+                                 marker=dict(color=col, size=8), line=dict(color=col, width=2),
                                  hovertemplate=mode + ", B = %{x}: τ = %{y:.2f}<extra></extra>"), row=1, col=1)
         fig.add_trace(go.Scatter(x=bs, y=[pts[b]["speedup"] for b in bs], mode="lines+markers", name=mode, legendgroup=mode,
                                  showlegend=False, marker_color=col,
@@ -226,8 +319,10 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Fig
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"), row=1, col=2)
     for c in (1, 2):
         fig.update_xaxes(title_text="block size B", type="log", dtick=math.log10(2), row=1, col=c)
-    on = f" on {datasets}" if datasets else ""
-    fig.update_layout(title=f"Measured block-size sweep{on} (d3d-seq and d3d-async have the same τ)", height=380, legend=dict(orientation="h", y=-0.25), **LAYOUT)
+    on = f" · {datasets.replace(',', ', ')}" if datasets else ""
+    fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}", font=dict(size=15)), height=400,
+                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=80, b=40),
+                      **{k: v for k, v in LAYOUT.items() if k != "margin"})
     return fig
 
 
@@ -254,12 +349,14 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
     for mode, h in pooled.items():
         n = sum(h.values())
         tau = sum((a + 1) * c for a, c in h.items()) / n
-        fig.add_trace(go.Bar(x=list(range(top + 1)), y=[h.get(a, 0) / n for a in range(top + 1)], name=f"{mode} (τ = {tau:.2f} per drafted round, {n} drafted rounds)",
+        # the same convention as the Acceptance tab: tokens committed, a + 1 (the bench records a, the accepted drafts)
+        fig.add_trace(go.Bar(x=list(range(1, top + 2)), y=[h.get(a, 0) / n for a in range(top + 1)], name=f"{mode} (τ = {tau:.2f} over {n} drafted rounds)",
                              marker_color=MODE_COLOURS.get(mode, GREY),
-                             hovertemplate=mode + ": %{y:.1%} of drafted rounds accepted %{x} drafted tokens<extra></extra>"))
+                             hovertemplate=mode + ": %{y:.1%} of drafted rounds committed %{x} tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
-    fig.update_layout(title=f"Drafted tokens accepted per round · {label}", barmode="group",
-                      xaxis=dict(title="drafted tokens accepted in the round", dtick=1), yaxis=dict(title="share of drafted rounds", tickformat=".0%"),
+    fig.update_layout(title=f"Bench · {label}: tokens committed per drafted round, a + 1", barmode="group",
+                      xaxis=dict(title="tokens committed: accepted drafts a + the bonus (drafted rounds only)", dtick=1),
+                      yaxis=dict(title="share of drafted rounds", tickformat=".0%"),
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
     return fig
 
@@ -268,7 +365,7 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
 
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
 STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)", "no draft (draft gate)"]
-STATE_COLOURS = ["#DDDDDD", GREEN, VERMILLION, "#F2F2F2", BLUE, "#FBEFB0", "#D5DEEA"]
+STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": an unverified draft (near-white: no verdict)
 
 
 def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:
@@ -335,18 +432,27 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     for i, c in enumerate(STATE_COLOURS):
         scale += [[i / n, c], [(i + 1) / n, c]]
     fig = go.Figure(go.Heatmap(
-        z=z, x=cols, y=[f"r{r.index}" + ("" if r.hit is None else (" ✓" if r.hit else " ✗")) for r in rounds],
+        z=z, x=cols, y=[f"r{r.index}" + _verdict_mark(trace, r) for r in rounds],
         text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text", colorscale=scale, zmin=0, zmax=n,
         xgap=2, ygap=2, showscale=False, textfont=dict(size=12),
     ))
     for i, (name, c) in enumerate(zip(STATE_NAMES, STATE_COLOURS)):  # legend with text labels
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=c, symbol="square"), name=name))
     fig.update_layout(
-        title=f"{trace.mode}: rounds (✓ / ✗ = a hypothesis hit / missed)" if trace.mode == "d3d-async" else f"{trace.mode}: rounds",
+        title=(f"{trace.mode}: rounds (✓ / ✗ = a hypothesis hit / missed; · = last round, no next block needed)"
+               if trace.mode == "d3d-async" else f"{trace.mode}: rounds"),
         yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
         legend=dict(orientation="h", y=-0.05), height=min(2400, max(320, 140 + 26 * len(rounds))), **LAYOUT,
     )
     return fig
+
+
+def _verdict_mark(trace: Trace, r) -> str:
+    if trace.mode != "d3d-async" or not r.hypotheses:
+        return ""
+    if r is trace.rounds[-1] and trace.finish_reason:
+        return " ·"  # last round: its hypotheses were drafted, no next block was needed
+    return "" if r.hit is None else (" ✓" if r.hit else " ✗")
 
 
 def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.DataFrame:
@@ -355,9 +461,11 @@ def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.Dat
     if trace is None or trace.mode != "d3d-async" or not 0 <= index < len(trace.rounds):
         return pd.DataFrame(columns=cols)
     r = trace.rounds[index]
+    last = index == len(trace.rounds) - 1
+    verdict = lambda h: ("not needed (the decode ended)" if last or r.hit is None else "✓ hit" if h.hit else "✗ miss")  # noqa: E731
     rows = [{
         cols[0]: h.accepted, cols[1]: pieces.get(h.token, str(h.token)), cols[2]: round(h.score, 4),
-        cols[3]: " | ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: "✓ hit" if h.hit else "✗ miss",
+        cols[3]: " | ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: verdict(h),
     } for h in r.hypotheses]
     return pd.DataFrame(rows, columns=cols)
 
@@ -396,14 +504,14 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
     pts = curve["curve"]
     fig = go.Figure(go.Scatter(
         x=[p["removed"] for p in pts], y=[p["tau"] for p in pts], mode="lines+markers", name="greedy pruning",
-        marker_color=BLUE, customdata=[[", ".join(map(str, p["kept"])), p.get("tau_rel", 1.0)] for p in pts],
+        marker_color=CYAN, line=dict(color=CYAN, width=3), customdata=[[", ".join(map(str, p["kept"])), p.get("tau_rel", 1.0)] for p in pts],
         hovertemplate="%{x} removed: τ = %{y:.3f} (%{customdata[1]:.1%} of full)<br>kept layers: %{customdata[0]}<extra></extra>",
     ))
     if all("tau_eval" in p for p in pts):  # held-out prompts never used to choose layers
         full_eval = pts[0]["tau_eval"]
         fig.add_trace(go.Scatter(
             x=[p["removed"] for p in pts], y=[p["tau_eval"] for p in pts], mode="lines+markers", name=_held_out_label(pts),
-            line=dict(color=SKY, dash="dot"), error_y=_ci_bars(pts, full_eval, SKY),
+            line=dict(color=OLIVE, dash="dot"), marker_color=OLIVE, error_y=_ci_bars(pts, full_eval, OLIVE),
             customdata=[[p.get("tau_eval_rel", 1.0), _ci_text(p)] for p in pts],
             hovertemplate="%{x} removed: held-out τ = %{y:.3f} (%{customdata[0]:.1%} of full%{customdata[1]})<extra></extra>",
         ))
@@ -417,24 +525,24 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
             x=[p["removed"] for p in healed], y=[h.get("tau_eval", h["tau"]) for h in hs],
             # a short interval: thick, wide bars and a smaller diamond keep it visible around the marker
             mode="markers", name=_heal_label(hs[0]), error_y=_ci_bars(hs, ref_eval, "black", thickness=2.5, width=12),
-            marker=dict(size=9, symbol="diamond", color=ORANGE, line=dict(color="black", width=1)),
+            marker=dict(size=9, symbol="diamond", color=SAND, line=dict(color="black", width=1)),
             customdata=[[h.get("tau_eval_rel", h["tau_rel"]), _ci_text(h)] for h in hs],
             hovertemplate="%{x} removed, healed: τ = %{y:.3f} (%{customdata[0]:.1%} of " + ref + "%{customdata[1]})<extra></extra>",
         ))
         if ctl:
             fig.add_trace(go.Scatter(
                 x=[0], y=[ctl.get("tau_eval") or ctl["tau"]], mode="markers", name="unpruned + same fine-tune (control), held-out",
-                marker=dict(size=11, symbol="diamond-open", color=ORANGE, line=dict(width=2)),
+                marker=dict(size=11, symbol="diamond-open", color=SAND, line=dict(width=2)),
                 hovertemplate="control: the unpruned drafter fine-tuned the same steps, τ = %{y:.3f}<extra></extra>",
             ))
             if ctl.get("tau_eval"):  # the line the healed diamond has to reach
-                fig.add_hline(y=0.99 * ctl["tau_eval"], line=dict(color=ORANGE, dash="dot", width=1),
+                fig.add_hline(y=0.99 * ctl["tau_eval"], line=dict(color=SAND, dash="dot", width=1),
                               annotation_text="99 % of the control (held-out)", annotation_position="bottom right")
     t0 = pts[0]["tau"]
-    fig.add_hline(y=0.99 * t0, line=dict(color=GREEN, dash="dash"), annotation_text="99 % of full τ (calibration)")
+    fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of full τ (calibration)")
     if live is not None:
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
-                                 marker=dict(size=14, symbol="star", color=VERMILLION, line=dict(color="black", width=1))))
+                                 marker=dict(size=14, symbol="star", color="black", line=dict(color="white", width=1))))
     fig.update_layout(title="Offline τ vs drafter layers removed", xaxis=dict(title="layers removed", dtick=1),
                       yaxis=dict(title="offline τ"), height=420, legend=dict(orientation="h", y=-0.25), **LAYOUT)
     return fig
@@ -446,7 +554,7 @@ def marginal_cost_figure(curve: Optional[dict]) -> go.Figure:
     mc = curve["marginal_cost"]
     layers = sorted(mc, key=lambda k: int(k))
     fig = go.Figure(go.Bar(
-        x=[f"L{k}" for k in layers], y=[mc[k] for k in layers], marker_color=[VERMILLION if mc[k] > 0.05 else GREEN for k in layers],
+        x=[f"L{k}" for k in layers], y=[mc[k] for k in layers], marker_color=[ROSE if mc[k] > 0.05 else GREY for k in layers],
         hovertemplate="removing %{x} alone costs Δτ = %{y:.3f}<extra></extra>",
     ))
     fig.update_layout(title="Δτ when one layer is removed from the full drafter", xaxis=dict(title="drafter layer"),
@@ -492,11 +600,31 @@ def diagram_dflash() -> go.Figure:
     ], "DFlash: the next draft needs this verify's hidden states, so the lanes take turns")
 
 
-def diagram_d3d_async() -> go.Figure:
-    return _blocks_diagram([
-        ("drafter", [(0, 0.6, VERMILLION, "draft"), (0.6, 1.9, GREEN, "packed: H successors"), (2.1, 3.4, GREEN, "packed: H successors"), (3.6, 4.2, VERMILLION, "miss: sync draft")]),
-        ("target", [(0.6, 2.1, BLUE, "verify k  ✓ hit"), (2.1, 3.6, BLUE, "verify k+1  ✗ miss"), (4.2, 5.7, BLUE, "verify k+2")]),
-    ], "D3D async: drafting the successor overlaps verify; a hit starts the next verify at once")
+def diagram_d3d_async(costs: Optional[dict] = None) -> go.Figure:
+    """D3D async against d3d-seq, two rounds each, every hypothesis a hit. With the shipped cost breakdown's overlap
+    probe (``costs["overlap"]``, the 8-layer row) the boxes are this CPU's measured times: verify alone vs verify
+    beside the packed pass (one thread each). Without it the diagram is the ideal case and says so: verify as long
+    with overlap as without (a GPU with bandwidth to spare)."""
+    row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 8), None)
+    if row is None:
+        return _blocks_diagram([
+            ("drafter", [(0, 0.6, ORANGE, "draft"), (0.6, 1.9, GREEN, "packed: H successors"), (2.1, 3.4, GREEN, "packed: H successors"),
+                         (3.6, 4.2, VERMILLION, "miss: sync draft")]),
+            ("target", [(0.6, 2.1, BLUE, "verify k  ✓ hit"), (2.1, 3.6, BLUE, "verify k+1  ✗ miss"), (4.2, 5.7, BLUE, "verify k+2")]),
+        ], "D3D async, IDEAL case (verify not slowed by the overlap, as on a GPU with spare bandwidth): a hit starts the next verify at once")
+    v, d = row["verify_ms"], row["draft_ms"]
+    vc, pc = row["verify_1t_concurrent_ms"], row["packed_1t_concurrent_ms"]
+    seq_d = [(0, d, ORANGE, f"draft {d:.0f}"), (d + v, 2 * d + v, ORANGE, f"draft {d:.0f}")]
+    seq_t = [(d, d + v, BLUE, f"verify {v:.0f} ms"), (2 * d + v, 2 * d + 2 * v, BLUE, f"verify {v:.0f} ms")]
+    r2 = d + max(vc, pc)
+    asy_d = [(0, d, ORANGE, f"draft {d:.0f}"), (d, d + pc, GREEN, f"packed {pc:.0f}"), (r2, r2 + pc, GREEN, f"packed {pc:.0f}")]
+    asy_t = [(d, d + vc, BLUE, f"verify {vc:.0f} ms (shared cores)"), (r2, r2 + vc, BLUE, f"verify {vc:.0f} ms ✓ hit")]
+    fig = _blocks_diagram([("d3d-seq · drafter", seq_d), ("d3d-seq · target", seq_t),
+                           ("d3d-async · drafter", asy_d), ("d3d-async · target", asy_t)],
+                          f"Measured on this CPU (cost breakdown, B = {costs['overlap'].get('B', 8)}, H = {costs['overlap'].get('H', 1)}, "
+                          f"every hypothesis a hit): beside the packed pass verify takes {vc:.0f} ms, not {v:.0f}", 300)
+    fig.update_xaxes(title="time (ms) →", showticklabels=True)
+    return fig
 
 
 def diagram_pruning() -> go.Figure:
@@ -504,10 +632,10 @@ def diagram_pruning() -> go.Figure:
     n = 8
     for i in range(n):
         skipped = i in (2, 5)
-        fig.add_shape(type="rect", x0=i, x1=i + 0.85, y0=0, y1=1, fillcolor="#EEEEEE" if skipped else BLUE,
+        fig.add_shape(type="rect", x0=i, x1=i + 0.85, y0=0, y1=1, fillcolor="#EEEEEE" if skipped else CYAN,
                       line=dict(color=GREY, dash="dot" if skipped else "solid"))
         fig.add_annotation(x=i + 0.42, y=0.5, text=("skip" if skipped else f"L{i}"), showarrow=False,
-                           font=dict(color=GREY if skipped else "white"))
+                           font=dict(color=GREY if skipped else "black"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
     fig.update_layout(title="Pruning drafter layers", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
@@ -518,7 +646,7 @@ def diagram_pruning() -> go.Figure:
 # ----------------------------------------------------------------------------- benchmarks / projections
 
 
-PART_COLOURS = {"layer_gemm": BLUE, "attention": SKY, "lm_head": ORANGE, "other": GREY}
+PART_COLOURS = {"layer_gemm": CYAN, "attention": OLIVE, "lm_head": SAND, "other": GREY}
 PART_LABELS = {"layer_gemm": "layer GEMMs", "attention": "attention", "lm_head": "LM head", "other": "everything else"}
 
 
@@ -616,7 +744,10 @@ def latency_check_table(result: Optional[dict]) -> pd.DataFrame:
         rows.append({"dataset": k[0], "mode": k[1], "measured_speedup": (a or b).get("measured_speedup"),
                      "predicted (cost probe)": a.get("predicted_speedup"), "error (probe)": a.get("error"),
                      "predicted (run's own costs)": b.get("predicted_speedup"), "error (run)": b.get("error")})
-    return pd.DataFrame(rows, columns=cols).round(3)
+    df = pd.DataFrame(rows, columns=cols).round(3)
+    if rows:  # a bench without --cost-probe has no a-priori prediction: leave those columns out rather than empty
+        df = df[[c for c in cols if c in ("dataset", "mode") or df[c].notna().any()]]
+    return df
 
 
 def projection_figure(rows: list, profile_name: str, tau: float, hit_rate: float, B: int, H: int) -> go.Figure:

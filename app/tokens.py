@@ -9,16 +9,17 @@ pending = drafted, not yet verified (grey, italic, dashed).
 from __future__ import annotations
 
 import html
+import re
 from typing import Optional
 
-from d3d_core.decoding.trace import Trace
+from d3d_core.decoding.trace import Trace, hit_rate_of
 
 CSS = """
 <style>
 .d3d-col {font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13.5px; line-height: 1.9;
           border: 1px solid #ddd; border-radius: 8px; padding: 8px 10px; min-height: 120px; background: #fff; color: #222;}
 .d3d-head {font-family: system-ui, sans-serif; font-weight: 700; font-size: 15px; margin-bottom: 4px;}
-.d3d-drafter {font-family: system-ui, sans-serif; font-size: 11px; color: #555; margin: -2px 0 4px 0;}
+.d3d-drafter {font-family: system-ui, sans-serif; font-size: 12.5px; color: #333; margin: -2px 0 4px 0;}
 .d3d-stats {font-family: system-ui, sans-serif; font-size: 12.5px; color: #333; margin-bottom: 6px;
             display: grid; grid-template-columns: repeat(3, auto); gap: 2px 10px;}
 .d3d-stats b {font-variant-numeric: tabular-nums;}
@@ -30,7 +31,7 @@ CSS = """
 .tok.pend {color: #666; font-style: italic; border-bottom: 1px dashed #999;}
 .tok.ar {background: none;}
 .d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
-.d3d-done {font-family: system-ui, sans-serif; font-size: 12px; color: #555; margin-top: 6px;}
+.d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
 </style>
 """
 
@@ -56,8 +57,21 @@ def ar_time_per_token(traces) -> Optional[float]:
 
 
 def _tok(text: str, cls: str, tip: str) -> str:
-    t = html.escape(text).replace("\n", "⏎<br>")
+    """One token. A newline in committed text (accepted, bonus, first, ar) shows as ⏎ and breaks the line, as in
+    ar's column; in a rejected or pending draft it shows as ⏎ only, so drafts that never entered the output do not
+    lay the column out differently from ar's."""
+    t = html.escape(text)
+    t = t.replace("\n", "⏎") if cls in ("rej", "pend") else t.replace("\n", "⏎<br>")
     return f'<span class="tok {cls}" title="{html.escape(tip)}">{t}</span>'
+
+
+def drafter_line(trace: Trace) -> str:
+    """The column's drafter line: its *drafter* layers named as such (a DFlash drafter also reads the target's hidden
+    states at a few *feature* layers of the target — a different count, see How it works)."""
+    text = re.sub(r"\b(\d+) layer(s?)\b", r"\1 drafter layer\2", trace.drafter, count=1)
+    if trace.mode == "dflash":
+        text += " + hidden states from the target's feature layers"
+    return text
 
 
 def _fmt(v, fmt="{:.2f}") -> str:
@@ -117,7 +131,7 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     if final:
         tps = st.tokens_per_s
         tau = st.tau
-        hr = st.hit_rate
+        hr = hit_rate_of(trace)  # the last round's hypotheses needed no verdict: not counted
     else:
         elapsed = ((t_ms if t_ms is not None else (max((s.t_end for s in trace.spans), default=0.0))) - prefill_end) / 1e3
         tps = (n_tok - 1) / elapsed if elapsed > 0 and n_tok > 1 else None
@@ -144,24 +158,28 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
         foot = '<div class="d3d-done">running…</div>'
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
-        + (f'<div class="d3d-drafter">{html.escape(trace.drafter)}</div>' if trace.drafter else "") +
+        + (f'<div class="d3d-drafter">{html.escape(drafter_line(trace))}</div>' if trace.drafter else "") +
         f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
     )
 
 
 def _econ_html(e) -> str:
-    """The run's economics in three short lines (ms from its own spans)."""
+    """The run's economics in three short lines (ms from its own spans): per token and per round, each the sum of
+    verify + draft not hidden + other, and break-even τ = round / T_step (T_step: ar's time per token in this race)."""
     lines = [f"per token <b>{e.per_token_ms:.0f} ms</b> = verify {e.verify_per_token_ms:.0f} + draft not hidden "
              f"{e.draft_visible_per_token_ms:.0f} + other {e.idle_per_token_ms:.0f}"]
     if e.mode != "ar":
+        v, d, o = e.round_parts_ms()
+        lines.append(f"round {e.round_ms:.0f} ms = verify {v:.0f} + draft not hidden {d:.0f} + other {o:.0f}")
         c = f"T_verify {e.t_verify_ms:.0f} ms"
         if e.t_draft_ms is not None:
             c += f" · T_draft {e.t_draft_ms:.0f}"
         if e.t_packed_ms is not None:
             c += f" · T_packed {e.t_packed_ms:.0f}"
-        if e.t_step_ms:
-            c += f" · T_step {e.t_step_ms:.0f}"
         lines.append(c)
-        if e.break_even_tau is not None:
-            lines.append(f"round {e.round_ms:.0f} ms / τ {e.tau:.2f} → ties ar at τ = <b>{e.break_even_tau:.2f}</b>")
+        if e.flags:
+            lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))
+        elif e.break_even_tau is not None:
+            lines.append(f"break-even τ = round {e.round_ms:.0f} / T_step {e.t_step_ms:.0f} ms = <b>{e.break_even_tau:.2f}</b> "
+                         f"(τ here {e.tau:.2f})")
     return '<div class="d3d-done d3d-econ">' + "<br>".join(lines) + "</div>"

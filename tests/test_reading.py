@@ -116,6 +116,11 @@ def test_implausible_readings_are_flagged_not_explained():
     assert any(f.startswith("verify(4) read cheaper than one ar step") for f in a.flags)
     assert any(f.startswith("a round (which holds a verify) read cheaper") for f in a.flags)
     assert "⚠ implausible: verify(4) read cheaper than one ar step" in a.sentence() and "timing noise" in a.sentence()
+    # flagged, not explained: no cost breakdown and no break-even τ built on the impossible reading
+    assert "a round costs" not in a.sentence() and "break-even τ =" not in a.sentence()
+    from app.tokens import column_html
+
+    assert "implausible" in column_html(next(t for t in traces if t.mode == "d3d-async"), {}, econ=a)
     assert not ec["d3d-seq"].flags and "implausible" not in ec["d3d-seq"].sentence()
     # a verify of 4 tokens dearer than a step and a round dearer than both: nothing to flag
     ar = _trace("ar", [40.0] * 20, [1] * 20)

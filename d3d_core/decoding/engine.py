@@ -346,6 +346,10 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     trace.spans = rec.finalize()
     trace.finish_reason = finish
     trace.output_text = tok.decode(trace.output_ids)
+    if trace.rounds and trace.rounds[-1].hit is not None:
+        # the decode ended with this round: no next block was needed, so its hypotheses get no verdict (hit None),
+        # are not drawn as misses and do not count in the hit rate (issue 33, confusion 9)
+        trace.rounds[-1].hit = None
     trace.stats = _stats(trace, run.n_target_fwd, run.n_draft_fwd, t_decode0 - wall0, t_end - t_decode0, t_end - wall0)
     yield trace
 

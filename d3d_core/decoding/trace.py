@@ -303,3 +303,19 @@ def idle_time(spans, lane, t0: float, t1: float) -> float:
     """Time in [t0, t1] when the lane had no span (ms)."""
     busy = sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in busy_intervals(spans, lane))
     return max(0.0, (t1 - t0) - busy)
+
+
+def needed_verdicts(trace: Trace) -> list:
+    """The d3d-async rounds whose hypotheses got a verdict (hit or miss): every round with one except the last of a
+    finished decode, which needed no next block (a trace recorded before the engine left its verdict out still marks
+    it: it is not counted here)."""
+    rounds = [r for r in trace.rounds if r.hit is not None]
+    if rounds and trace.finish_reason and rounds[-1] is trace.rounds[-1]:
+        rounds = rounds[:-1]
+    return rounds
+
+
+def hit_rate_of(trace: Trace) -> Optional[float]:
+    """Hits over the rounds whose next block was needed (``needed_verdicts``); None without any."""
+    rs = needed_verdicts(trace)
+    return sum(bool(r.hit) for r in rs) / len(rs) if rs else None

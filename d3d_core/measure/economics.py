@@ -10,17 +10,23 @@ measured decode time into three parts that add up to it exactly:
 - **idle**: neither lane busy — acceptance, bookkeeping, Python, thread hand-offs.
 
 Divided by the committed tokens they give the measured time per token, so the panel agrees with
-tokens/s by construction. With the ``ar`` run of the same race as the yardstick (its mean step
-``T_step``), ``break_even_tau = round / ar_time_per_token`` is the τ at which this mode, with
-these round costs, would tie ``ar`` on this machine. Pure functions; no model access.
+tokens/s by construction; divided by the rounds they give the round: ``round = verify + draft not hidden + other``.
+
+One yardstick everywhere: ``T_step`` is what ``ar`` paid per token in the same race (its decode time over its
+tokens: one step's forward plus ar's own bookkeeping — ar commits one token a round, so this is also ar's round).
+``break_even_tau = round / T_step`` is the τ at which this mode, with these round costs, would tie ``ar`` on this
+machine, and it is the same number as "a round costs N ar steps": one denominator. ``ar_forward_ms`` (ar's mean
+step span, the forward alone) is kept apart: only the implausibility check uses it, span against span (a verify of
+k ≥ 2 tokens cannot be cheaper than a one-token forward). Pure functions; no model access.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..decoding.trace import Trace, busy_intervals, intersect_length
+from ..decoding.trace import Trace, busy_intervals, hit_rate_of, intersect_length
 from ..limits import RACE_MIN_TIMED_ROUNDS
 from .reading import implausible, speedup_label, speedup_spread
 
@@ -41,8 +47,9 @@ class Economics:
     verify_per_token_ms: float
     draft_visible_per_token_ms: float
     idle_per_token_ms: float
-    t_step_ms: Optional[float] = None  # the same race's ar step
-    ar_per_token_ms: Optional[float] = None
+    t_step_ms: Optional[float] = None  # the yardstick: ar's time per token in the same race (its round: forward + its bookkeeping)
+    ar_per_token_ms: Optional[float] = None  # the same number (kept for readers of older JSON)
+    ar_forward_ms: Optional[float] = None  # ar's mean step span (the forward alone): the implausibility check's yardstick
     speedup: Optional[float] = None
     break_even_tau: Optional[float] = None
     skipped: int = 0  # rounds the draft gate skipped (no draft: each an ar step)
@@ -57,7 +64,21 @@ class Economics:
 
     @property
     def round_steps(self) -> Optional[float]:
+        """The round in ar steps (T_step): the same number as ``break_even_tau``."""
         return self.round_ms / self.t_step_ms if self.t_step_ms else None
+
+    def round_parts_ms(self) -> tuple:
+        """(verify, draft not hidden, other) per round, ms: they sum to ``round_ms`` exactly."""
+        per_round = self.tokens / self.rounds
+        return (self.verify_per_token_ms * per_round, self.draft_visible_per_token_ms * per_round,
+                self.idle_per_token_ms * per_round)
+
+    def round_parts_steps(self, digits: int = 2) -> Optional[tuple]:
+        """(round, verify, draft not hidden, other) in ar steps, each rounded to ``digits`` so that the three parts
+        as printed add up to the round as printed (largest remainder); None without ar."""
+        if not self.t_step_ms:
+            return None
+        return (round(self.round_steps, digits),) + _sum_preserving([x / self.t_step_ms for x in self.round_parts_ms()], digits)
 
     def speedup_label(self) -> str:
         """``1.55× (1.47–1.63)`` (the spread: 10–90 % of a round-level bootstrap), ``too short to time (7 rounds)``,
@@ -76,26 +97,32 @@ class Economics:
         if self.speedup is None or not self.t_step_ms:
             return (f"{self.mode}: a round costs {self.round_ms:.0f} ms and commits τ = {self.tau:.2f} tokens "
                     f"({self.per_token_ms:.0f} ms per token); run ar in the same race to compare.")
-        steps = lambda ms: ms / self.t_step_ms  # noqa: E731
-        parts = f"verify {steps(self.t_verify_ms):.2f}"
-        draft_round = self.draft_visible_per_token_ms * self.tokens / self.rounds
-        if draft_round > 0.05 * self.t_step_ms:
-            parts += f" + draft not hidden {steps(draft_round):.2f}"
-        idle_round = self.idle_per_token_ms * self.tokens / self.rounds
-        if idle_round > 0.05 * self.t_step_ms:
-            parts += f" + other {steps(idle_round):.2f}"
-        cost = f"a round costs {self.round_steps:.2f} ar steps ({parts})"
+        total, v, d, o = self.round_parts_steps()
+        cost = (f"a round costs {total:.2f} ar steps of {self.t_step_ms:.0f} ms (verify {v:.2f} + draft not hidden {d:.2f} "
+                f"+ other {o:.2f})")
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
         head = f"{self.mode} is {self.speedup_label()} the speed of ar"
-        if self.flags:
-            return (f"{head}{' — slower' if self.speedup < 1 else ''}. ⚠ implausible: {'; '.join(self.flags)} — timing noise "
-                    f"(the machine's speed changed during the race), not a property of {self.mode}; as read, {cost}, "
-                    f"τ = {self.tau:.2f}, break-even τ = {self.break_even_tau:.2f}.{gate}")
+        if self.flags:  # flagged, not explained: no cost story is built on a reading the cost model rules out
+            return (f"{self.mode} read {self.speedup_label()} the speed of ar — ⚠ implausible: {'; '.join(self.flags)}. "
+                    f"That is timing noise (the machine's speed changed during the race), not a property of {self.mode}, "
+                    f"so no cost breakdown or break-even τ is given for it: re-run the race on a quiet machine. "
+                    f"τ = {self.tau:.2f} stands (a token count, not a timing).{gate}")
         if self.speedup < 1:
             return (f"{head} — slower: {cost} but commits only τ = {self.tau:.2f} tokens; "
-                    f"it would tie ar at τ = {self.break_even_tau:.2f}.{gate}")
+                    f"it would tie ar at break-even τ = {self.break_even_tau:.2f} (= the round in ar steps).{gate}")
         return (f"{head}: {cost} and commits τ = {self.tau:.2f} tokens, "
-                f"above the break-even τ = {self.break_even_tau:.2f}.{gate}")
+                f"above the break-even τ = {self.break_even_tau:.2f} (= the round in ar steps).{gate}")
+
+
+def _sum_preserving(xs: list, digits: int) -> tuple:
+    """``xs`` rounded to ``digits`` so that the rounded values sum to round(sum(xs), digits) (largest remainder)."""
+    q = 10 ** digits
+    target = round(sum(xs) * q)
+    floors = [math.floor(x * q) for x in xs]
+    order = sorted(range(len(xs)), key=lambda i: xs[i] * q - floors[i], reverse=True)
+    for i in order[: max(0, target - sum(floors))]:
+        floors[i] += 1
+    return tuple(f / q for f in floors)
 
 
 def _mean(xs: list) -> Optional[float]:
@@ -117,12 +144,13 @@ def _against(trace: Trace, yard: Optional[dict], ar: Optional[Trace] = None) -> 
     if trace.mode == "ar":
         yard, ar = e, trace
     if yard is not None:
-        e.update(t_step_ms=yard["t_verify_ms"], ar_per_token_ms=yard["per_token_ms"],
-                 speedup=yard["per_token_ms"] / e["per_token_ms"], break_even_tau=e["round_ms"] / yard["per_token_ms"])
+        t_step = yard["per_token_ms"]  # one yardstick: what ar paid per token (= its round) in this race
+        e.update(t_step_ms=t_step, ar_per_token_ms=t_step, ar_forward_ms=yard["t_verify_ms"],
+                 speedup=t_step / e["per_token_ms"], break_even_tau=e["round_ms"] / t_step)
         sp = speedup_spread(trace, ar) if ar is not None else None
         if sp is not None:
             e.update(speedup_lo=sp.lo, speedup_hi=sp.hi, too_short=sp.too_short, timed_rounds=min(sp.rounds, sp.ar_rounds))
-        e["flags"] = tuple(implausible(trace, e["t_step_ms"], e["round_ms"]))
+        e["flags"] = tuple(implausible(trace, e["t_step_ms"], e["round_ms"], ar_forward_ms=e["ar_forward_ms"]))
     return Economics(**e)
 
 
@@ -146,7 +174,7 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
         mode=trace.mode, tau=trace.stats.tau, rounds=len(trace.rounds), tokens=tokens, decode_ms=decode_ms,
         per_token_ms=decode_ms / tokens, round_ms=decode_ms / len(trace.rounds),
         t_verify_ms=_mean(kinds("verify")) or 0.0, t_draft_ms=_mean(kinds("draft", "sync_draft")),
-        t_packed_ms=_mean(kinds("packed_draft")), hit_rate=trace.stats.hit_rate,
+        t_packed_ms=_mean(kinds("packed_draft")), hit_rate=hit_rate_of(trace) if trace.mode == "d3d-async" else None,
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
         idle_per_token_ms=idle * scale / tokens, skipped=sum(r.skipped for r in trace.rounds),
     )

@@ -132,17 +132,20 @@ def verify_width_ms(trace: Trace) -> Optional[tuple]:
     return k, sum(by_k[k]) / len(by_k[k])
 
 
-def implausible(trace: Trace, t_step_ms: Optional[float], round_ms: float) -> list:
+def implausible(trace: Trace, t_step_ms: Optional[float], round_ms: float, ar_forward_ms: Optional[float] = None) -> list:
     """Readings the cost model says cannot happen on a CPU, as sentences: a verify of k ≥ 2 tokens is at least one
     step (it reads the same weights and more tokens), and a round holds at least one verify, so neither can be cheaper
-    than one ar step (less ``IMPLAUSIBLE_BELOW``'s 5 % for jitter). When the race reads them so, the timing was noise (the machine's speed changed between ar and
-    this mode); they are flagged, not explained."""
+    than one ar step (less ``IMPLAUSIBLE_BELOW``'s 5 % for jitter). Like is compared with like: the verify span with
+    ar's step span (``ar_forward_ms``, the forward alone; ``t_step_ms`` when not given), the round with ``t_step_ms``
+    (ar's whole round, what it paid per token). When the race reads them so, the timing was noise (the machine's speed
+    changed between ar and this mode); they are flagged, not explained."""
     if trace.mode == "ar" or not t_step_ms:
         return []
+    fwd = ar_forward_ms or t_step_ms
     out = []
     vw = verify_width_ms(trace)
-    if vw is not None and vw[1] < IMPLAUSIBLE_BELOW * t_step_ms:
-        out.append(f"verify({vw[0]}) read cheaper than one ar step ({vw[1]:.0f} vs {t_step_ms:.0f} ms)")
+    if vw is not None and vw[1] < IMPLAUSIBLE_BELOW * fwd:
+        out.append(f"verify({vw[0]}) read cheaper than one ar step ({vw[1]:.0f} vs {fwd:.0f} ms)")
     if round_ms < IMPLAUSIBLE_BELOW * t_step_ms:
         out.append(f"a round (which holds a verify) read cheaper than one ar step ({round_ms:.0f} vs {t_step_ms:.0f} ms)")
     return out
