@@ -54,20 +54,20 @@ nearly free — with a flat cost table the plan verifies the whole block anyway.
 
 DRAFT_GATE = """
 ### The draft gate: skip the draft when drafting has not paid lately
-Even a cut verify cannot help when the first draft itself is usually wrong: a round then pays
-`T_draft + T_verify(k)` for one token, more than the single step `ar` pays for the same token. On some
-prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right only about one time in
-five). So by default (**Drafting: gated**) the engine keeps a running estimate of what its last 16 drafted
-rounds earned, tokens per step of cost `T_draft + T_verify(k)`, each round counted as the mean of the
-`a + 1` tokens it committed and the tokens its drafter expected from its own probabilities (one accept or
-reject alone is a noisy signal), and while it is below what a plain target step earns — 1; in `d3d-async` the step time on one core over
-that on all cores, since a skipped round has nothing to overlap and runs on every core — it **skips the draft**: the target verifies the
-anchor alone, exactly an `ar` step (pale blue *no draft* rows in **Rounds**). Every few skipped rounds it
-drafts once as a **probe** (4 rounds, doubling after each probe that does not pay, up to 32); a probe that
-pays reopens the gate. Whether a round drafts depends only on earlier rounds, and a skipped round commits the
-target's own token, so the output is still exactly the target's. With a flat cost table (a GPU, the toy
-bundles) a drafted round always earns at least a token per step and the gate never closes. Choose
-**always** to draft every round.
+A round whose first draft is wrong pays `T_draft + T_verify(k)` for one token — more than the one step `ar`
+pays for it. On some prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right
+about one time in five). So by default (**Drafting: gated**):
+
+- the engine tracks what its last 16 drafted rounds earned, in **tokens per step of cost**;
+- while that is below what a plain step earns (1; a little more in `d3d-async`, whose skipped round runs on
+  every core), it **skips the draft**: the target checks the anchor alone, exactly an `ar` step
+  (pale blue *no draft* rows in **Rounds**);
+- every 4 skipped rounds it drafts once as a **probe** (the wait doubles after each probe that does not pay, up
+  to 32); a probe that pays reopens the gate.
+
+The output is still exactly the target's: the decision uses only earlier rounds, and a skipped round commits
+the target's own token. On a GPU (flat cost table) a drafted round always earns at least a token per step, so
+the gate never closes. **Drafting: always** drafts every round.
 """
 
 DRAFT_VERIFY = """
@@ -84,9 +84,16 @@ at temperature > 0 the match rule or standard rejection sampling keeps the targe
 DFLASH = """
 ### DFlash: a block-diffusion drafter that leans on the target
 The DFlash-style drafter fills all `B-1` masked positions in one pass (block diffusion, one denoising
-step). It is strong because it reads **hidden states of the target** (from 5 evenly spaced layers, fused
-and injected as extra keys/values). But those hidden states exist only *after* the target has verified
-the previous block — so drafter and target must take turns, and each round costs `T_draft + T_verify`.
+step). It is strong because it reads **hidden states of the target** from a few of the target's layers — its
+**feature layers** (5 evenly spaced ones, here target layers 1, 8, 14, 20 and 27 of 30), fused and injected as
+extra keys/values. Its own stack is separate and small: its **drafter layers** (2 in this CPU bundle — the Race
+tab's "2 drafter layers"; 5 in the public Qwen3-8B DFlash drafter the GPU profiles model). But those hidden
+states exist only *after* the target has verified the previous block — so drafter and target must take turns,
+and each round costs `T_draft + T_verify`.
+
+**Comparing `dflash` with `d3d-*` here is not a clean comparison of methods:** this bundle's D3D drafter has
+8 drafter layers against DFlash's 2, so their τ and their draft cost differ by drafter size as well as by
+method (a confound the race does not remove).
 """
 
 D3D = """
@@ -125,9 +132,10 @@ drafts may match the target less often. **Offline τ** measures that quickly wit
 the target's own greedy continuation, draft a block at many anchors, count leading matches + 1. The
 greedy progression drops, at each step, the layer whose removal costs the least τ. A short **healing**
 fine-tune (`python -m d3d_core.training.prune --heal 1`) then trains the remaining layers with the removed ones
-skipped; the curve marks healed points as diamonds, measured against the unpruned drafter fine-tuned
-for the same number of steps (the fair reference: a drafter that is not fully trained improves with any
-extra training). With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
+skipped; a curve made that way marks its healed points as diamonds, measured against the unpruned drafter
+fine-tuned for the same number of steps (the fair reference: a drafter that is not fully trained improves with
+any extra training). A curve made without `--heal` has no diamonds, and the **Pruning** tab says so. What a
+removed layer saves is drawn on the curve too: the draft time saved, in ms, from this machine's cost breakdown. With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
 distributions (distillation), which kept a little more τ than the target's tokens alone.
 The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): even with
 a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 %" is only settled where
@@ -146,8 +154,11 @@ step**, so a round costs a verify *plus* a step. In its bench `d3d-seq` with it 
 (1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
 a verify cannot hide behind it. The default reached 1.69× on gsm8k in its own bench run (drafting every round).
 Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
-**Timeline** tab. On a GPU, where a draft of 8 tokens through 30 layers costs a fraction of a verify and runs
-beside it, the deep drafter is the one to pick: the D3D preprint drafts with the target's full depth.
+**Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1
+it costs about one verify there too — not a fraction of one. What a GPU can change is the overlap: on its own
+stream, with bandwidth to spare, such a draft may hide behind verify (the regime the D3D preprint's full-depth
+drafters aim at). Whether it pays is not measured here: the **Benchmarks** tab's GPU profiles project it from a
+latency model, and only a GPU run can settle it.
 """
 
 GLOSSARY = """
@@ -175,8 +186,10 @@ GLOSSARY = """
 | **offline τ** | τ measured by teacher forcing at many anchors, no decoding loop |
 | **lossless** | at temperature 0 every mode emits exactly the AR target's tokens |
 | **match rule** | the verify rule at temperature > 0 used by default: sample the target's token at every block position and accept drafts while they equal those samples (lossless, simple); *rejection* is standard speculative sampling (accept `d` with probability `min(1, p/q)`), which accepts more often |
-| **T_step, T_verify(B), T_draft, T_packed** | mean time of one ar step, one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
-| **break-even τ** | the τ at which a mode, with the round costs it paid, would tie `ar` on this machine: round time ÷ ar's time per token |
+| **T_step** | what `ar` paid per token in the same race: its decode time ÷ its tokens (one step's forward + its own bookkeeping); the yardstick of every "N ar steps", speedup and break-even τ |
+| **T_verify(B), T_draft, T_packed** | mean span of one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
+| **round** | a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly |
+| **break-even τ** | round ÷ T_step: the τ at which a mode, with the round costs it paid, would tie `ar` here — the same number as "a round costs N ar steps" |
 | **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
 """
 
@@ -186,16 +199,36 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 
 | question | where to look |
 |---|---|
-| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: how many drafts each round kept (0 … B-1 drafts accepted, plus the bonus = τ's `a + 1`) |
+| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: tokens each round committed, `a + 1` (1 … B: the accepted drafts plus the bonus), the same convention as the Benchmarks histogram; *Which τ is which* below says why the app shows several |
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
-| **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a red *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
+| **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a vermillion (red-orange) *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
 | **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* to compare the tokens/s counters |
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
-| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves |
+| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the grey dashed line, right axis; from this machine's cost breakdown) |
 | **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
+"""
+
+WHICH_TAU = """
+### Which τ is which (and which T_step)
+The app shows several τ for the same D3D drafter. They are all "tokens per round" — they differ in **which
+prompts**, **how they are counted** and **which rounds count**:
+
+| τ | where | measured how | why it differs |
+|---|---|---|---|
+| **offline τ, calibration** | Pruning curve (solid), live τ | teacher-forced at many anchors of the calibration prompts, block 8, no decoding | the prompts the layers were chosen on: optimistic |
+| **offline τ, held-out** | Pruning curve (dotted) | the same measurement on prompts never trained or chosen on | the honest offline number: lower |
+| **bench τ** | Benchmarks table | real decoding (10 prompts per dataset, 128 tokens), every round counted | a round the draft gate skipped counts `a + 1 = 1`; the verify plan may cap `a` |
+| **τ per drafted round** | Benchmarks histogram | the same bench, drafted rounds only, pooled over the chosen datasets | undrafted rounds left out (higher), datasets pooled (MT-Bench pulls it down) |
+| **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
+| **quoted τ** | this page's text (e.g. 2.20) | one bench run, quoted once | a fixed reference, not re-measured |
+
+The same for time: **T_step** in the race is what `ar` paid per token *in that race* — its forward plus its own
+bookkeeping, at that prompt's context length, under whatever else the machine was doing; the **Benchmarks**
+cost breakdown's *step* is one forward alone, median of several, at a fixed 300-token context on a quiet
+machine. The race's is the one its break-even τ and its speedups use; expect it to be the larger.
 """
 
 SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, DEPTH, PRUNING]

@@ -31,7 +31,7 @@ INDIGO, CYAN, TEAL, OLIVE, SAND, ROSE, WINE, DARK = (
 )
 PALETTE = {  # colour -> its one meaning (the legend of every plot uses these words)
     BLUE: "the target: verify (its forward), its bonus / corrected token",
-    ORANGE: "a draft the target waits for: draft after verify, draft not hidden",
+    ORANGE: "a draft's time, paid in the open: draft after verify, draft not hidden, draft time saved by pruning",
     GREEN: "drafting hidden behind verify and what it buys: packed draft, accepted draft, hit ✓",
     VERMILLION: "a miss and what it costs: sync draft after a miss, miss ✗, first mismatch, rejected draft",
     PURPLE: "prefill: the prompt's forward and the first token",
@@ -496,9 +496,10 @@ def _held_out_label(pts: list) -> str:
     return "held-out prompts (bars: 95 % CI)" if all("tau_eval_rel_ci" in p for p in pts) else "held-out prompts"
 
 
-def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) -> go.Figure:
+def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, layer_ms: Optional[float] = None) -> go.Figure:
     """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
-    user's current toggle choice."""
+    user's current toggle choice; ``layer_ms``: what one drafter layer costs per draft on this machine (the cost
+    breakdown), drawn as the draft time saved (right axis). The subtitle says whether the curve has healed points."""
     if not curve or not curve.get("curve"):
         return _empty("Progressive pruning", "No pruning curve for this bundle yet (python -m d3d_core.training.prune …).")
     pts = curve["curve"]
@@ -543,8 +544,17 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None) ->
     if live is not None:
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
                                  marker=dict(size=14, symbol="star", color="black", line=dict(color="white", width=1))))
-    fig.update_layout(title="Offline τ vs drafter layers removed", xaxis=dict(title="layers removed", dtick=1),
-                      yaxis=dict(title="offline τ"), height=420, legend=dict(orientation="h", y=-0.25), **LAYOUT)
+    if layer_ms:
+        xs = [p["removed"] for p in pts]
+        fig.add_trace(go.Scatter(x=xs, y=[x * layer_ms for x in xs], mode="lines+markers", yaxis="y2",
+                                 name=f"draft time saved (ms per draft, right axis; {layer_ms:.1f} ms a layer here)",
+                                 line=dict(color=ORANGE, dash="dash"), marker=dict(color=ORANGE, size=6),
+                                 hovertemplate="%{x} removed: saves %{y:.1f} ms per draft (cost breakdown)<extra></extra>"))
+    sub = ("healed points: diamonds" if healed else "no healed points: this curve was made without --heal")
+    fig.update_layout(title=dict(text=f"Offline τ vs drafter layers removed<br><sup>{sub}</sup>", font=dict(size=15)),
+                      xaxis=dict(title="layers removed", dtick=1), yaxis=dict(title="offline τ"),
+                      yaxis2=dict(title="draft ms saved", overlaying="y", side="right", rangemode="tozero", showgrid=False),
+                      height=440, legend=dict(orientation="h", y=-0.25), **LAYOUT)
     return fig
 
 
@@ -750,18 +760,21 @@ def latency_check_table(result: Optional[dict]) -> pd.DataFrame:
     return df
 
 
-def projection_figure(rows: list, profile_name: str, tau: float, hit_rate: float, B: int, H: int) -> go.Figure:
-    """Predicted speedup per mode — a model, always labelled as such."""
+def projection_figure(rows: list, profile_name: str, tau_scale: float, hit_rate: float, B: int, H: int) -> go.Figure:
+    """Predicted speedup per mode — a model, always labelled as such. Each row carries its mode's own τ (its measured
+    τ times ``tau_scale``), shown on its bar: no mode is projected at another mode's τ."""
     if not rows:
         return _empty("Projected speedup", "Pick a cost profile.")
     fig = go.Figure(go.Bar(
         x=[r["mode"] for r in rows], y=[r["speedup"] for r in rows], marker_color=[MODE_COLOURS.get(r["mode"], GREY) for r in rows],
-        text=[f"{r['speedup']:.2f}× · {r['ms_per_token']:.1f} ms/token" for r in rows], textposition="outside",
+        text=[f"{r['speedup']:.2f}× · τ {r.get('tau', 1.0):.2f} · {r['ms_per_token']:.1f} ms/token" for r in rows], textposition="outside",
         hovertemplate="%{x}: %{y:.2f}× (model)<extra></extra>",
     ))
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"))
+    scale = "each mode at its measured τ" if abs(tau_scale - 1.0) < 1e-9 else f"each mode at {tau_scale:.2f}× its measured τ"
     fig.update_layout(
-        title=f"MODEL-BASED projection · {profile_name} · B={B}, τ={tau:.2f}, hit rate={hit_rate:.0%}, H={H}",
-        yaxis=dict(title="projected speedup vs ar", range=[0, max(r["speedup"] for r in rows) * 1.18]), height=380, **LAYOUT,
+        title=dict(text=f"MODEL-BASED projection · {profile_name}<br><sup>B = {B}, {scale}, hit rate {hit_rate:.0%}, H = {H}</sup>",
+                   font=dict(size=15)),
+        yaxis=dict(title="projected speedup vs ar", range=[0, max(r["speedup"] for r in rows) * 1.2]), height=400, **LAYOUT,
     )
     return fig

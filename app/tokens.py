@@ -32,6 +32,8 @@ CSS = """
 .tok.ar {background: none;}
 .d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
 .d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
+/* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
+.info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
 </style>
 """
 
@@ -72,6 +74,23 @@ def drafter_line(trace: Trace) -> str:
     if trace.mode == "dflash":
         text += " + hidden states from the target's feature layers"
     return text
+
+
+def _drafter_layers(trace) -> Optional[int]:
+    m = re.search(r"\b(\d+) layers?\b", trace.drafter or "")
+    return int(m.group(1)) if m else None
+
+
+def drafter_confound(traces) -> str:
+    """Where a race ran dflash and a d3d mode: their drafters' sizes, which differ, so the comparison is not one of
+    methods alone; "" otherwise (or when the sizes are equal or unknown)."""
+    by = {t.mode: t for t in traces if t is not None}
+    dfl = _drafter_layers(by["dflash"]) if "dflash" in by else None
+    d3d = next((_drafter_layers(by[m]) for m in ("d3d-seq", "d3d-async") if m in by and _drafter_layers(by[m])), None)
+    if not dfl or not d3d or dfl == d3d:
+        return ""
+    return (f"dflash vs d3d is not a clean comparison of methods: the DFlash drafter has {dfl} drafter layers (plus the "
+            f"target's hidden states), the D3D drafter {d3d}, so τ and draft cost differ by drafter size too.")
 
 
 def _fmt(v, fmt="{:.2f}") -> str:

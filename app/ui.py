@@ -16,12 +16,13 @@ from d3d_core import service
 from d3d_core.decoding.trace import MODES
 from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
 from d3d_core.measure.economics import race_economics
+from d3d_core.measure.latency import measured_taus, project_modes
 from d3d_core.measure.reading import race_load
 
 from . import explain, figures, health, runs
 from .export import race_html, traces_json_of
 from .spaces_gpu import PRUNING_SECONDS, maybe_gpu, stream_duration, zerogpu_installed
-from .tokens import ar_time_per_token, column_html, legend_html
+from .tokens import ar_time_per_token, column_html, drafter_confound, legend_html
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, drafting every round, the drafter as the
 # app runs it: int8 MLPs and head where available; tests/test_shipped.py holds the labels to it within 0.1):
@@ -85,15 +86,25 @@ def set_clock(clock, state):
         service.retimed([], clock)
     except ValueError as e:
         gr.Warning(str(e))
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), state
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), state, gr.skip()
     state["clock"] = clock
     tl, summ, _, econ_fig, econ_tab = _plots(state)
-    return tl, summ, econ_fig, econ_tab, service.clock_assumptions(clock), state
+    return tl, summ, econ_fig, econ_tab, service.clock_assumptions(clock), state, _caption(state)
 
 
 def economics_sentences(state) -> str:
-    """One sentence per drafting mode of the race: how fast it was against ar, and why."""
-    return "\n".join(f"- {e.sentence()}" for e in race_economics(_traces(state)) if e.sentence())
+    """One sentence per drafting mode of the race: how fast it was against ar, and why; where dflash and a d3d mode
+    both ran, the drafter-size confound between them."""
+    trs = _traces(state)
+    lines = [f"- {e.sentence()}" for e in race_economics(trs) if e.sentence()]
+    note = drafter_confound(trs)
+    return "\n".join(lines + ([f"- {note}"] if note and lines else []))
+
+
+def _caption(state) -> str:
+    """The Timeline's caption: why each mode's target waited, from the run's own numbers (on the chosen clock)."""
+    timed, projected = _clocked(state or empty_state()) if _traces(state or empty_state()) else ([], None)
+    return figures.timeline_caption(timed, projected)
 
 
 def _rounds_view(state, mode, idx):
@@ -115,8 +126,9 @@ def _rounds_view(state, mode, idx):
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
-    if r.hit is not None and idx == n - 1:
-        cap += " · last round: the decode ended here, so no next block was needed"
+    if idx == n - 1 and r.hypotheses:
+        cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
+                "and do not count in the hit rate")
     elif r.hit is not None:
         cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
         if r.hit and r.accepted == 0:
@@ -257,7 +269,7 @@ def race_views(state):
     ran = [m for m in MODES if m in state["traces"]]
     pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else "d3d-async")
     return (tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran or list(MODES), value=pick),
-            gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)))
+            gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)), _caption(state))
 
 
 def _nrounds(state, mode):
@@ -319,12 +331,18 @@ def load_pruning(bundle, state):
     curve = service.pruning_curve(bundle)
     default_skip = service.bundle_summary(bundle)["d3d_default_skip"]
     state["skip"] = list(default_skip)
+    per_layer = service.drafter_layer_ms(bundle)
     hint = "Toggle layers off, then the offline τ is re-measured."
+    if per_layer:
+        hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on this machine (cost breakdown; the orange "
+                 "dashed line, right axis).")
+    if curve and not any("healed" in p for p in curve.get("curve") or []):
+        hint += " This bundle's curve was made without healing (`prune --heal`), so it has no healed points."
     if default_skip:
         hint += (f" The bundle's default D3D drafter is already pruned: layer(s) {default_skip} are skipped "
                  "(the greedy pruning kept ≥ 99 % of τ on held-out prompts without them).")
     return (gr.update(choices=choices, value=[c for i, c in enumerate(choices) if i not in default_skip]), hint,
-            figures.pruning_curve_figure(curve), figures.marginal_cost_figure(curve), state)
+            figures.pruning_curve_figure(curve, layer_ms=per_layer), figures.marginal_cost_figure(curve), state)
 
 
 def _pruned_tau(bundle, skip) -> tuple:
@@ -358,7 +376,7 @@ def measure_pruned(bundle, active, state):
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
            f"({tau / full:.1%} of the full drafter's {full:.3f}){saved} · measured in {time.perf_counter() - t0:.1f} s "
            f"on {n_anchors} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
-    return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau)), state
+    return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau), layer_ms=per_layer), state
 
 
 def bench_views(bundle) -> tuple:
@@ -373,17 +391,28 @@ def bench_views(bundle) -> tuple:
             service.provenance(costs), figures.cost_breakdown_figure(costs), figures.overlap_text(costs))
 
 
-def project_speedups(profile, B, tau, hit, H, vx, dx, px):
+def project_speedups(profile, B, tau_scale, hit, H, vx, dx, px):
+    """The model's speedups, every drafting mode at its own τ as the bench measured it (``latency.measured_taus``)
+    times ``tau_scale`` — never one τ for all modes."""
     try:
-        B, H = int(B), int(H)
-        tau = min(float(tau), B)
-        rows = service.project(profile, B, tau, float(hit), H, float(vx), float(dx), float(px))
+        B, H, scale, hit = int(B), int(H), float(tau_scale), float(hit)
+        profiles = service.cost_profiles()
+        if profile not in profiles:
+            raise ValueError(f"unknown cost profile {profile!r}; choose one of {', '.join(profiles)}")
+        if scale <= 0 or not 0.0 <= hit <= 1.0:
+            raise ValueError("the τ scale must be positive and the hit rate between 0 and 1")
+        taus, _, where = measured_taus(service.bench_result(service.app_bundle()))
+        if not taus:
+            taus, where = {m: 2.0 for m in MODES if m != "ar"}, "no bench result for this bundle: τ 2.0 assumed for every mode"
+        p = profiles[profile].scaled(verify=float(vx), draft=float(dx), packed=float(px))
+        rows = project_modes(p, B, {m: t * scale for m, t in taus.items()}, hit, H)
     except (ValueError, TypeError) as e:
         return figures.projection_figure([], str(profile), 1.0, 0.0, 2, 1), f"**Error:** {e}"
-    p = service.cost_profiles()[profile]
-    src = (f"**{p.name}** — source: {p.source}. Assumptions: {p.assumptions}. "
-           f"T_step = {p.t_step_ms:.2f} ms. τ is capped at B.")
-    return figures.projection_figure(rows, profile, tau, float(hit), B, H), src
+    src = (f"**{p.name}** — source: {p.source}. Assumptions: {p.assumptions}. T_step = {p.t_step_ms:.2f} ms. "
+           f"τ per mode, as measured: {where}; the slider scales each mode's own τ (capped to [1, B]). These τ come from "
+           "this bundle's drafters, whose sizes differ (DFlash 2 drafter layers, D3D 8): a drafter-size confound, not only "
+           "a difference of method.")
+    return figures.projection_figure(rows, profile, scale, hit, B, H), src
 
 
 def download_traces(state):
@@ -481,21 +510,18 @@ def build_demo() -> gr.Blocks:
                             sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
                             seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
                         verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
-                                          info="adaptive: the target checks only the drafts expected to pay for the wider verify, from this "
-                                               "bundle's measured cost table (the rest are held back, pale yellow in Rounds); full: all B − 1 drafts")
+                                          info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
+                                               "full: all B − 1 drafts.")
                         drafting = gr.Radio(["gated", "always"], value="gated", label="Drafting",
-                                            info="gated: skip the draft (verify the anchor alone, like ar) while drafting has lately earned fewer "
-                                                 "tokens per step of cost than a plain step, probing now and then (pale blue 'no draft' rows in "
-                                                 "Rounds); always: draft every round")
+                                            info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
+                                                 "Rounds). always: draft every round.")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
-                                                 info="off: the bundle's default D3D drafter; on: the drafter with exactly the layers left ticked "
-                                                      "in the Pruning tab (skipped layers pass their input through) — see what pruning does to τ and speed")
+                                                 info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
                         d3d_names = service.d3d_drafters(home)
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
-                                            info="d3d-deep runs all of the target's layers (frozen) plus small trained adapters: its draft 1 is "
-                                                 "always the target's own token and τ is far higher, but on this CPU each draft costs about one "
-                                                 "target step, so the higher τ buys less speed than it seems: race both and compare the counters")
+                                            info="d3d-deep: all the target's layers + adapters. Higher τ, but here each draft costs about "
+                                                 "one target step: race both and compare.")
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -524,20 +550,25 @@ def build_demo() -> gr.Blocks:
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
+                tl_cap = gr.Markdown(elem_id="timeline-caption")
                 tl_summary = gr.Dataframe(figures.timeline_summary([]), interactive=False,
                                           label="Overlap and idle time — overlap share: the part of the drafter's busy time that ran while the "
                                                 "target verified (hidden work); target idle: time the target waited (for drafts, a miss's sync "
-                                                "draft, bookkeeping) — a high overlap share can sit beside idle time when the packed pass outlasts verify")
+                                                "draft, bookkeeping) — why, for this run, is written above the table")
                 gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
                             "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
                             "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
-                            "time per token. *Break-even τ* is the τ at which the mode, with these round costs, would tie `ar` here.")
+                            "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
+                            "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
+                            "(the same number as \"a round costs N ar steps\").")
                 econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
-                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)", interactive=False)
+                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
+                                          interactive=False, wrap=True)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
                 gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home)),
                         label="Speedup vs block size")
+                gr.Markdown(explain.WHICH_TAU, elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
                             "on a small calibration set; the curve shows the precomputed greedy progression.")
@@ -562,7 +593,8 @@ def build_demo() -> gr.Blocks:
                 b_costs = gr.Plot(v_costs, label="Cost breakdown")
                 b_overlap = gr.Markdown(v_overlap, elem_id="overlap-crossover")
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
-                            "with the separately probed costs and with the costs the run itself paid (mean span times). "
+                            "with the costs the run itself paid (mean span times) and, where the bench ran with `--cost-probe`, with separately "
+                            "probed costs (those columns appear only when measured). "
                             "The error is (predicted − measured) / measured.")
                 b_check = gr.Dataframe(v_check, label="Model vs measured speedup", interactive=False)
                 with gr.Row():
@@ -580,7 +612,8 @@ def build_demo() -> gr.Blocks:
                     pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
                     pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
                 with gr.Row():
-                    pj_tau = gr.Slider(1.0, 16.0, value=m_tau, step=0.01, label="τ (acceptance length; starts at the bench's measured gsm8k τ)")
+                    pj_tau = gr.Slider(0.5, 3.0, value=1.0, step=0.01,
+                                       label="τ scale: × each mode's own measured τ (1 = as the bench measured each mode; capped to [1, B])")
                     pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label="hit rate (d3d-async; starts at the measured one)")
                 with gr.Row():
                     pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
@@ -599,11 +632,12 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown(explain.DFLASH)
                 gr.Plot(figures.diagram_dflash(), label="DFlash")
                 gr.Markdown(explain.D3D)
-                gr.Plot(figures.diagram_d3d_async(), label="D3D async")
+                gr.Plot(figures.diagram_d3d_async(service.cost_breakdown(home)), label="D3D async")
                 gr.Markdown(explain.MISS)
                 gr.Markdown(explain.DEPTH)
                 gr.Markdown(explain.PRUNING)
                 gr.Plot(figures.diagram_pruning(), label="Pruning")
+                gr.Markdown(explain.WHICH_TAU)
                 gr.Markdown(explain.GLOSSARY)
             with gr.Tab("Traces", id="traces"):
                 gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
@@ -615,7 +649,7 @@ def build_demo() -> gr.Blocks:
         health_md = gr.Markdown(elem_id="health")
         health_json = gr.JSON(visible=False)
         race_outputs = [status, *cols, state]
-        view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx]
+        view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx, tl_cap]
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick],
             race_outputs,
@@ -640,9 +674,10 @@ def build_demo() -> gr.Blocks:
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
         export_btn.click(export_race, [state], [export_file], api_name="export_html").then(
             lambda: gr.update(visible=True), None, [export_file], api_name=False, queue=False)
-        clock.change(set_clock, [clock, state], [tl_plot, tl_summary, econ_plot, econ_table, clock_src, state], api_name="clock")
+        clock.change(set_clock, [clock, state], [tl_plot, tl_summary, econ_plot, econ_table, clock_src, state, tl_cap], api_name="clock")
         up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, state, r_idx],
-                       api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False)
+                       api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False).then(
+                       _caption, [state], [tl_cap], api_name=False)
         demo.load(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         pj_inputs = [pj_profile, pj_B, pj_tau, pj_hit, pj_H, pj_v, pj_d, pj_p]
         for comp in pj_inputs:

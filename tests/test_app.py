@@ -25,7 +25,7 @@ def test_named_endpoints(client):
 
 
 def test_projection_endpoint(client):
-    fig, src = client.predict("qwen3-8b on H200 (derived)", 16, 6.0, 0.7, 4, 1.0, 1.0, 1.0, api_name="/project")
+    fig, src = client.predict("qwen3-8b on H200 (derived)", 16, 1.0, 0.7, 4, 1.0, 1.0, 1.0, api_name="/project")
     assert "derived" in src and "Assumptions" in src
     from d3d_core import service
 

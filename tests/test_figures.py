@@ -240,3 +240,234 @@ def test_cost_breakdown_figure_names_the_row_plan_and_the_int8_drafter():
     assert all(f"{m} as {p}" in text for m, p in enumerate(plan) if m and p != m)
     assert figures.row_plan_text(list(range(9))) == "" and figures.row_plan_text(None) == ""
     assert figures.row_plan_text([0, 1, 6, 3, 4, 5, 6, 7, 8]).endswith("GEMMs of 2 as 6 rows (padding that ran faster)")
+
+
+# ----------------------------------------------------------------------------- issue 33, item 4: one accounting, one palette
+
+
+def _colours(fig) -> set:
+    """Every colour a figure paints: bar / marker / line colours of its traces and its shapes' fills."""
+    out = set()
+
+    def add(c):
+        if isinstance(c, str):
+            out.add(c)
+        elif isinstance(c, (list, tuple)):
+            for x in c:
+                add(x)
+
+    for d in fig.data:
+        m = getattr(d, "marker", None)
+        if m is not None:
+            add(m.color)
+        ln = getattr(d, "line", None)
+        if ln is not None and getattr(ln, "color", None) is not None:
+            add(ln.color)
+        if getattr(d, "colorscale", None):
+            add([c for _, c in d.colorscale])
+    for sh in fig.layout.shapes or ():
+        add(sh.fillcolor)
+    return out
+
+
+def test_one_meaning_per_colour_across_plots(traces, pieces):
+    """Every colour a figure uses is in the palette (figures.PALETTE); orange only ever marks drafting the target paid
+    for in the open, vermillion only a miss / rejection, and the modes own colours no work kind or verdict uses."""
+    from d3d_core.models.bundles import asset_json
+
+    costs = asset_json("bench", "smollm2-135m-costs.json")
+    curve = {"curve": [{"removed": 0, "tau": 2.0, "kept": [0, 1]}, {"removed": 1, "tau": 1.9, "kept": [0]}],
+             "marginal_cost": {"0": 0.2, "1": 0.01}}
+    figs = {
+        "timeline": figures.timeline_figure(traces), "economics": figures.economics_figure(traces),
+        "acceptance": figures.acceptance_figure(traces), "rounds": figures.rounds_grid_figure(traces[3], pieces),
+        "sweep": figures.speedup_vs_block_figure({"d3d-seq": {"2": {"tau": 1.5, "speedup": 0.9}}}),
+        "bench_acc": figures.bench_acceptance_figure({"acceptance_hist": {"g": {"dflash": {"0": 2}, "d3d-seq": {"1": 1}}}}),
+        "pruning": figures.pruning_curve_figure(curve, live=(1, 1.9), layer_ms=1.5), "marginal": figures.marginal_cost_figure(curve),
+        "costs": figures.cost_breakdown_figure(costs), "d3d_async": figures.diagram_d3d_async(costs),
+        "d3d_async_ideal": figures.diagram_d3d_async(None), "dflash": figures.diagram_dflash(),
+        "draft_verify": figures.diagram_draft_verify(), "pruning_diagram": figures.diagram_pruning(),
+        "projection": figures.projection_figure([{"mode": m, "tau": 2.0, "speedup": 1.0, "ms_per_token": 1.0}
+                                                 for m in ("ar", "dflash", "d3d-seq", "d3d-async")], "p", 1.0, 0.5, 8, 4),
+    }
+    allowed = set(figures.PALETTE) | {"white", "#F2F2F2", "#EEEEEE", "#ffffff"}
+    for name, f in figs.items():
+        stray = _colours(f) - allowed
+        assert not stray, f"{name} paints colours outside the palette: {stray}"
+    work = {figures.BLUE, figures.ORANGE, figures.GREEN, figures.VERMILLION, figures.PURPLE}
+    assert not work & set(figures.MODE_COLOURS.values())  # a mode never borrows a work kind's colour
+    orange_users = [n for n, f in figs.items() if figures.ORANGE in _colours(f)]
+    assert set(orange_users) <= {"timeline", "economics", "d3d_async", "d3d_async_ideal", "dflash", "draft_verify", "pruning"}
+    for n in ("acceptance", "bench_acc", "sweep", "projection", "costs", "marginal"):
+        assert figures.ORANGE not in _colours(figs[n]) and figures.VERMILLION not in _colours(figs[n]), n
+    assert figures.KIND_COLOURS["sync_draft"] == figures.VERMILLION and "miss" in figures.PALETTE[figures.VERMILLION]
+
+
+def test_texts_name_the_colours_the_plots_paint():
+    from app import explain
+
+    text = explain.QUESTIONS + "".join(explain.SECTIONS) + explain.GLOSSARY
+    assert "red *sync draft*" not in text and "vermillion (red-orange) *sync draft*" in text
+    assert "pale yellow" in text and figures.STATE_COLOURS[figures.STATE_HELD] == figures.PALE_YELLOW
+    assert "pale blue" in text and figures.STATE_COLOURS[figures.STATE_SKIPPED] == figures.PALE_BLUE
+
+
+def test_both_acceptance_histograms_count_committed_tokens(traces):
+    """One convention: tokens committed per round, a + 1 (1 … B), in the race's and the bench's histogram."""
+    race = figures.acceptance_figure(traces)
+    assert min(race.data[0].x) == 1 and "a + 1" in race.layout.title.text
+    bench = figures.bench_acceptance_figure({"acceptance_hist": {"g": {"d3d-seq": {"0": 1, "2": 3}}}})
+    assert list(bench.data[0].x) == [1, 2, 3] and list(bench.data[0].y) == [0.25, 0.0, 0.75]
+    assert "a + 1" in bench.layout.title.text and "drafted rounds" in bench.layout.xaxis.title.text
+
+
+def test_sweep_title_claims_nothing_its_chart_contradicts():
+    f = figures.speedup_vs_block_figure({"d3d-seq": {"8": {"tau": 2.2, "speedup": 1.5}}, "d3d-async": {"8": {"tau": 2.1, "speedup": 1.1}}},
+                                        "gsm8k,mt_bench")
+    title = f.layout.title.text
+    assert "same τ" not in title and len(title) < 60 and "gsm8k, mt_bench" in title
+
+
+def test_model_vs_measured_has_no_empty_columns():
+    res = {"latency_model_in_run": [{"dataset": "gsm8k", "mode": "d3d-seq", "measured_speedup": 1.2, "predicted_speedup": 1.26,
+                                     "error": 0.05}]}
+    t = figures.latency_check_table(res)
+    assert list(t.columns) == ["dataset", "mode", "measured_speedup", "predicted (run's own costs)", "error (run)"]
+    assert not t.isna().all().any()
+
+
+def test_economics_table_shows_the_identities_and_short_flags(traces):
+    t = figures.economics_table(traces).set_index("mode")
+    parts = t["= verify"] + t["+ draft not hidden"] + t["+ other"]
+    assert (abs(parts - t["round"]) <= 0.011).all()
+    assert (abs(t["round"] / t["T_step (ar ms/token)"] - t["break-even τ = round / T_step"]) <= 0.011).all()
+    flags = t.loc["d3d-async", "flags"]
+    assert flags.startswith("⚠ timing noise") and len(flags) < 70  # the last column stays short (no truncated cell)
+
+
+def test_timeline_caption_states_the_cause_from_the_numbers(traces):
+    cap = figures.timeline_caption(traces)
+    from d3d_core.measure.economics import race_economics
+
+    a = next(e for e in race_economics(traces) if e.mode == "d3d-async")
+    # the recorded race: verify (9 ms) outlasts the packed pass (7 ms), so the caption must not blame the packed pass
+    assert a.t_verify_ms > a.t_packed_ms
+    assert f"verify ({a.t_verify_ms:.0f} ms) outlasts the packed pass ({a.t_packed_ms:.0f} ms)" in cap
+    assert "the packed pass" in cap and "outlasts verify" not in cap
+    miss = 1 - figures.hit_rate_of(next(t for t in traces if t.mode == "d3d-async"))
+    assert f"{miss:.0%} of the rounds that needed a next block missed" in cap
+    # and the other way round: a packed pass longer than verify is named as the cause
+    import copy
+
+    slow = copy.deepcopy(traces)
+    tr = next(t for t in slow if t.mode == "d3d-async")
+    for s in tr.spans:
+        if s.kind == "packed_draft":
+            s.t_end = s.t_start + 5 * a.t_verify_ms
+    assert "outlasts verify" in figures.timeline_caption(slow)
+    assert figures.timeline_caption([traces[0]]) == ""
+
+
+def test_last_round_hypotheses_are_not_misses(traces, pieces):
+    tr = next(t for t in traces if t.mode == "d3d-async")  # recorded before the engine left the verdict out
+    last = len(tr.rounds) - 1
+    assert tr.rounds[last].hit is False and tr.rounds[last].hypotheses  # as recorded
+    table = figures.hypotheses_table(tr, last, pieces)
+    assert set(table["hit"]) == {"not needed (the decode ended)"}
+    assert figures.rounds_grid_figure(tr, pieces).data[0].y[-1].endswith(" ·")
+    counted = figures.needed_verdicts(tr)
+    assert len(counted) == len(tr.rounds) - 1
+    assert figures.hit_rate_of(tr) == sum(bool(r.hit) for r in tr.rounds[:-1]) / (len(tr.rounds) - 1)
+    assert f"{figures.hit_rate_of(tr):.0%}" in figures.timeline_summary(traces).set_index("mode").loc["d3d-async", "hit rate"]
+
+
+def test_engine_gives_the_last_round_no_verdict(toy):
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import decode
+
+    tr = decode(toy, "count: 1, 2, 3", DecodeConfig(mode="d3d-async", max_new_tokens=24, block_size=4, hypotheses=4))
+    assert tr.rounds[-1].hit is None and tr.rounds[-1].hypotheses  # drafted, but no next block was needed
+    judged = [r for r in tr.rounds[:-1] if r.hit is not None]
+    assert judged and tr.stats.hit_rate == pytest.approx(sum(r.hit for r in judged) / len(judged))
+
+
+def test_rejected_newline_drafts_do_not_break_the_line():
+    from d3d_core.decoding.trace import Round, Stats, Trace
+
+    nl, a, b = 10, 1, 2
+    pieces = {nl: "\n", a: "a", b: "b"}
+    rounds = [Round(0, 3, a, [nl, nl], [0.5, 0.5], [b, a, a], 0, b, [b])]  # both newline drafts rejected
+    tr = Trace("d3d-seq", "toy", {"block_size": 3}, "p", [1], output_ids=[a, b], first_token=a, rounds=rounds,
+               stats=Stats(tau=1.0, n_rounds=1, n_tokens=2), finish_reason="length")
+    body = column_html(tr, pieces).split("</style>")[1]
+    assert "<br>" not in body and "⏎" in body
+    committed = Trace("d3d-seq", "toy", {"block_size": 3}, "p", [1], output_ids=[a, nl], first_token=a,
+                      rounds=[Round(0, 3, a, [nl], [0.5], [nl, b], 1, b, [nl, b])], stats=Stats(tau=2.0), finish_reason="length")
+    assert "⏎<br>" in column_html(committed, pieces)  # a newline the output really has still breaks the line
+
+
+def test_d3d_async_diagram_is_measured_or_says_ideal():
+    from d3d_core.models.bundles import asset_json
+
+    costs = asset_json("bench", "smollm2-135m-costs.json")
+    row = next(r for r in costs["overlap"]["rows"] if r["depth"] == 8)
+    f = figures.diagram_d3d_async(costs)
+    verify = [s for s in f.layout.shapes if s.fillcolor == figures.BLUE]
+    lengths = sorted({round(s.x1 - s.x0, 3) for s in verify})
+    assert lengths == sorted({round(row["verify_ms"], 3), round(row["verify_1t_concurrent_ms"], 3)})  # alone vs beside the packed pass
+    assert f"{row['verify_1t_concurrent_ms']:.0f} ms" in f.layout.title.text
+    assert "IDEAL" in figures.diagram_d3d_async(None).layout.title.text
+
+
+def test_pruning_tab_draws_what_how_it_works_promises():
+    curve = {"curve": [{"removed": 0, "tau": 2.0, "kept": [0, 1]}, {"removed": 1, "tau": 1.9, "kept": [0]}]}
+    f = figures.pruning_curve_figure(curve, layer_ms=1.5)
+    saved = next(d for d in f.data if d.name.startswith("draft time saved"))
+    assert list(saved.y) == [0.0, 1.5] and saved.yaxis == "y2"
+    assert "no healed points" in f.layout.title.text
+    healed = dict(curve, curve=[curve["curve"][0], dict(curve["curve"][1], healed={"tau": 1.95, "tau_rel": 0.97, "steps": 10})])
+    assert "healed points: diamonds" in figures.pruning_curve_figure(healed).layout.title.text
+
+
+def test_projection_puts_every_mode_at_its_own_measured_tau():
+    from app.ui import project_speedups
+    from d3d_core import service
+    from d3d_core.measure.latency import measured_taus
+
+    res = service.bench_result(service.app_bundle())
+    taus, B, _ = measured_taus(res)
+    fig, src = project_speedups("qwen3-8b on H200 (derived)", 8, 1.0, 0.4, 4, 1.0, 1.0, 1.0)
+    shown = dict(zip(fig.data[0].x, fig.data[0].text))
+    expect = taus or {m: 2.0 for m in ("dflash", "d3d-seq", "d3d-async")}
+    for m, tau in expect.items():
+        assert f"τ {min(max(tau, 1.0), 8):.2f}" in shown[m], shown
+    if len(set(round(t, 2) for t in expect.values())) > 1:  # measured per mode: not one τ for all
+        assert len({shown[m].split("τ ")[1].split(" ")[0] for m in expect}) > 1
+    fig2, _ = project_speedups("qwen3-8b on H200 (derived)", 8, 1.2, 0.4, 4, 1.0, 1.0, 1.0)
+    for m, tau in expect.items():
+        assert f"τ {min(max(1.2 * tau, 1.0), 8):.2f}" in dict(zip(fig2.data[0].x, fig2.data[0].text))[m]
+    assert "confound" in src
+
+
+def test_dflash_layers_are_named_and_the_confound_said():
+    from app import explain
+    from app.tokens import drafter_confound, drafter_line
+    from d3d_core.decoding.trace import Trace
+
+    dfl = Trace("dflash", "b", {}, "p", [1], drafter="DFlash drafter, 2 layers")
+    d3d = Trace("d3d-seq", "b", {}, "p", [1], drafter="D3D drafter, 8 layers")
+    assert drafter_line(dfl).startswith("DFlash drafter, 2 drafter layers") and "feature layers" in drafter_line(dfl)
+    note = drafter_confound([dfl, d3d])
+    assert "2 drafter layers" in note and "8" in note and "not a clean comparison" in note
+    assert drafter_confound([d3d]) == ""
+    assert "feature layers" in explain.DFLASH and "drafter layers" in explain.DFLASH and "confound" in explain.DFLASH
+    from d3d_core.measure.latency import PRESETS
+
+    assert all("DFlash 5 drafter layers" in p.assumptions for p in PRESETS.values() if "derived" in p.source)
+
+
+def test_how_it_works_makes_no_unsupported_gpu_claim():
+    from app import explain
+
+    assert "costs a fraction of a verify" not in explain.DEPTH and "about one verify" in explain.DEPTH
+    assert "Which τ is which" in explain.WHICH_TAU and "T_step" in explain.WHICH_TAU

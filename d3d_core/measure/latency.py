@@ -115,6 +115,44 @@ def speedup(p: CostProfile, mode: str, B: int, tau: float, hit_rate: float = 0.0
     return p.t_step_ms / per_token_ms(p, mode, B, tau, hit_rate, H)
 
 
+def measured_taus(result: Optional[dict], dataset: str = "gsm8k") -> tuple:
+    """({mode: τ}, B, where they come from) for each drafting mode of a bench result, measured per mode — the
+    projection starts every mode at its own τ, never one τ for all. Where the bench also drafted every round at its
+    block size (``--compare-drafting``) those rows give the τ (the model's rounds all draft); else the summary row
+    of ``dataset``. Modes the bench did not run are absent."""
+    res = result or {}
+    dec = (res.get("config") or {}).get("decode") or {}
+    B = int(dec.get("block_size") or 8)
+    out, src = {}, {}
+    for mode in ("dflash", "d3d-seq", "d3d-async"):
+        every = [r for r in res.get("rows") or [] if r.get("mode") == mode and r.get("dataset") == dataset
+                 and r.get("block_size") == dec.get("block_size") and plan_of(r) == (dec.get("verify"), "always") and r.get("rounds")]
+        if every:
+            out[mode] = sum(r["tau"] * r["rounds"] for r in every) / sum(r["rounds"] for r in every)
+            src[mode] = "drafting every round"
+            continue
+        row = next((s for s in res.get("summary") or [] if s.get("mode") == mode and s.get("dataset") == dataset), None)
+        if row and row.get("tau"):
+            out[mode] = float(row["tau"])
+            src[mode] = f"{plan_label(plan_of(dec))} table"
+    where = f"bench {dataset}, B = {B}: " + ", ".join(f"{m} τ {t:.2f} ({src[m]})" for m, t in out.items()) if out else ""
+    return out, B, where
+
+
+def project_modes(p: CostProfile, B: int, taus: dict, hit_rate: float, H: int) -> list:
+    """Per-token time and speedup of every mode under profile ``p``, each drafting mode at its own τ (``taus``,
+    capped to [1, B]); d3d-async with the profile's contention (``async_profile``). Rows: mode, tau, ms_per_token,
+    speedup."""
+    rows = [{"mode": "ar", "tau": 1.0, "ms_per_token": p.t_step_ms, "speedup": 1.0}]
+    for m in ("dflash", "d3d-seq", "d3d-async"):
+        if m not in taus:
+            continue
+        tau = min(max(float(taus[m]), 1.0), float(B))
+        t = per_token_ms(async_profile(p) if m == "d3d-async" else p, m, B, tau, hit_rate, H)
+        rows.append({"mode": m, "tau": tau, "ms_per_token": t, "speedup": p.t_step_ms / t})
+    return rows
+
+
 def tau_from_hist(hist: dict) -> float:
     """τ from an accepted-length histogram {a: count}."""
     n = sum(hist.values())
@@ -185,7 +223,7 @@ def _gpu_profile(name, params_b, layers, hidden, vocab, bw_tbs, overhead_ms, d3d
         assumptions=(f"bf16 weights read once per forward at {bw_tbs} TB/s, +10 % for KV/activations, "
                      f"{overhead_ms} ms launch overhead per forward (CUDA graphs would cut it); verify of B tokens "
                      f"costs 1–8 % more than a step up to B = 16; drafters: D3D {d3d_layers} target-shaped layers, "
-                     f"DFlash {dflash_layers} layers, each + the LM head; the packed pass grows 2 % per hypothesis "
+                     f"DFlash {dflash_layers} drafter layers (the public Qwen3-8B drafter's count), each + the LM head; the packed pass grows 2 % per hypothesis "
                      "(still bandwidth bound); drafter and target share the GPU's bandwidth only lightly (two streams)"),
         t_step_ms=step, t_verify_ms=verify, t_draft_d3d_ms=d3d, t_draft_dflash_ms=dfl, t_packed_ms=packed,
     )
