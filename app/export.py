@@ -15,7 +15,7 @@ from d3d_core.measure.economics import race_economics
 from d3d_core.measure.reading import race_load
 
 from . import figures
-from .tokens import ar_time_per_token, column_html, legend_html
+from .tokens import ar_time_per_token, column_html, drafter_confound, legend_html
 
 PAGE_CSS = """
 <style>
@@ -42,6 +42,8 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
     cfg = first.config or {}
     settings = ", ".join(f"{k} = {cfg[k]}" for k in ("block_size", "hypotheses", "max_new_tokens", "temperature", "sampling", "seed") if k in cfg)
     why = " ".join(e.sentence() for e in econ.values() if e.sentence())
+    if why and drafter_confound(traces):
+        why += " " + drafter_confound(traces)
     load = race_load(traces)
     if load is None:
         machine = "<div class='meta' id='d3d-machine'>machine load not recorded (a trace from before it was measured)</div>"
@@ -61,6 +63,8 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
     for i, (title, fig) in enumerate(figs):
         # plotly.js inlined once, in the first figure: the page needs no network
         parts.append(f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False))
+        if i == 0 and (cap := figures.timeline_caption(traces)):  # why the target waited, from this race's numbers
+            parts.append("<div class='why'>" + "<br>".join(html.escape(x.replace("**", "")) for x in cap.splitlines()) + "</div>")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data = traces_to_json(traces).replace("</", "<\\/")  # keep the JSON inside its script element
     return (

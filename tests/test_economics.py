@@ -172,7 +172,11 @@ def test_break_even_tau_is_round_over_t_step_with_one_denominator_on_a_recorded_
         s = ec[m].sentence()
         total, v, d, o = ec[m].round_parts_steps()
         assert f"a round costs {total:.2f} ar steps" in s and f"break-even τ = {total:.2f}" in s
-        assert f"verify {v:.2f} + draft not hidden {d:.2f} + other {o:.2f}" in s
+        assert f"(verify {v:.2f}" in s and f" + draft not hidden {d:.2f} + other {o:.2f}" in s
+        k = ec[m].verify_k
+        assert k is not None and f"mostly verify({k})" in s  # the race's verify width, which the verify plan may cut below B
+        fwd = min(round(ec[m].ar_forward_ms / ec[m].t_step_ms, 2), 1.0)
+        assert f"ar's own step = forward {fwd:.2f} + other {1 - fwd:.2f}" in s
 
 
 def test_parts_rounded_for_print_keep_their_sum():
@@ -181,3 +185,11 @@ def test_parts_rounded_for_print_keep_their_sum():
     for xs in ([0.333, 0.333, 0.334], [1.005, 0.004, 0.991], [2.4449, 0.0051, 0.55], [0.0, 0.0, 1.0]):
         r = _sum_preserving(xs, 2)
         assert round(sum(r), 2) == round(sum(xs), 2) and all(abs(a - b) < 0.01 + 1e-9 for a, b in zip(r, xs))
+
+
+def test_export_carries_the_timeline_caption_and_the_unexplained_flags(recorded):
+    from app.export import race_html
+
+    page = race_html(recorded, {})
+    assert "Why the target waited (measured)" in page and "outlasts the packed pass" in page
+    assert "⚠ implausible" in page and "break-even τ = 0.20" not in page  # flagged d3d-async: no cost story

@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..decoding.trace import Trace, busy_intervals, hit_rate_of, intersect_length
 from ..limits import RACE_MIN_TIMED_ROUNDS
-from .reading import implausible, speedup_label, speedup_spread
+from .reading import implausible, speedup_label, speedup_spread, verify_width_ms
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Economics:
     too_short: bool = False  # fewer than RACE_MIN_TIMED_ROUNDS rounds in ar or in this mode: no speedup is shown
     timed_rounds: int = 0  # the fewer of this mode's and ar's rounds
     flags: tuple = ()  # readings the cost model says are impossible (``reading.implausible``): timing noise
+    verify_k: Optional[int] = None  # the most common verify width (tokens the target read; the verify plan may cut it below B)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,8 +99,13 @@ class Economics:
             return (f"{self.mode}: a round costs {self.round_ms:.0f} ms and commits τ = {self.tau:.2f} tokens "
                     f"({self.per_token_ms:.0f} ms per token); run ar in the same race to compare.")
         total, v, d, o = self.round_parts_steps()
-        cost = (f"a round costs {total:.2f} ar steps of {self.t_step_ms:.0f} ms (verify {v:.2f} + draft not hidden {d:.2f} "
-                f"+ other {o:.2f})")
+        width = f" (mostly verify({self.verify_k}))" if self.verify_k else ""
+        own = ""
+        if self.ar_forward_ms:  # ar's own step split the same way, so "verify 0.97" reads against ar's forward, not its whole step
+            fwd = min(round(self.ar_forward_ms / self.t_step_ms, 2), 1.0)
+            own = f"; ar's own step = forward {fwd:.2f} + other {1.0 - fwd:.2f}"
+        cost = (f"a round costs {total:.2f} ar steps of {self.t_step_ms:.0f} ms (verify {v:.2f}{width} + draft not hidden {d:.2f} "
+                f"+ other {o:.2f}{own})")
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
         head = f"{self.mode} is {self.speedup_label()} the speed of ar"
         if self.flags:  # flagged, not explained: no cost story is built on a reading the cost model rules out
@@ -177,6 +183,7 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
         t_packed_ms=_mean(kinds("packed_draft")), hit_rate=hit_rate_of(trace) if trace.mode == "d3d-async" else None,
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
         idle_per_token_ms=idle * scale / tokens, skipped=sum(r.skipped for r in trace.rounds),
+        verify_k=(verify_width_ms(trace) or (None,))[0] if trace.mode != "ar" else None,
     )
     return e
 
