@@ -180,7 +180,7 @@ GLOSSARY = """
 | **target fwd** | target forward passes: the prefill plus one verify per round |
 | **hypothesis `(a, t)`** | d3d-async's guess of the verify outcome, drafted ahead during verify |
 | **H** | how many hypotheses are drafted in the packed pass |
-| **hit rate** | share of d3d-async rounds where one hypothesis equalled the verify outcome; a hit can come with `a = 0` (no draft accepted, but the bonus token was guessed), so a run with τ 1.00 can still have hits |
+| **hit rate** | share of d3d-async rounds where one hypothesis equalled the verify outcome, over the rounds whose next block was needed (every round but the last: its hypotheses get no verdict); a hit can come with `a = 0` (no draft accepted, but the bonus token was guessed), so a run with τ 1.00 can still have hits |
 | **overlap share** | share of the drafter's busy time that ran while the target was verifying |
 | **idle time** | time a lane (target or drafter) had nothing to do during the run |
 | **offline τ** | τ measured by teacher forcing at many anchors, no decoding loop |

@@ -229,7 +229,9 @@ def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure
     text = []
     for e in ec:
         t = f"{e.per_token_ms:.{0 if e.per_token_ms >= 10 else 1}f} ms/token · τ {e.tau:.2f}"
-        if e.mode != "ar" and e.break_even_tau is not None:
+        if e.flags:
+            t += " · ⚠ implausible (timing noise)"
+        elif e.mode != "ar" and e.break_even_tau is not None:
             t += f" · break-even τ {e.break_even_tau:.2f}"
         text.append(t)
     fig.add_trace(go.Scatter(y=names, x=[e.per_token_ms for e in ec], mode="text", text=text, textposition="middle right",

@@ -471,3 +471,16 @@ def test_how_it_works_makes_no_unsupported_gpu_claim():
 
     assert "costs a fraction of a verify" not in explain.DEPTH and "about one verify" in explain.DEPTH
     assert "Which τ is which" in explain.WHICH_TAU and "T_step" in explain.WHICH_TAU
+
+
+def test_economics_bars_add_up_and_flag_instead_of_break_even(traces):
+    f = figures.economics_figure(traces)
+    bars = [d for d in f.data if isinstance(d, go.Bar)]
+    assert [b.name for b in bars] == ["verify (target)", "draft not hidden", "other (neither lane busy)"]
+    from d3d_core.measure.economics import race_economics
+
+    for i, e in enumerate(race_economics(traces)):
+        assert sum(b.x[i] for b in bars) == pytest.approx(e.per_token_ms, rel=1e-9)
+    text = dict(zip(f.data[-1].y, f.data[-1].text))
+    assert "⚠ implausible" in text["d3d-async"] and "break-even" not in text["d3d-async"]
+    assert "break-even τ" in text["d3d-seq"]
