@@ -1,0 +1,46 @@
+"""The Benchmarks tab's engines section: pure functions of an engines run and a bench per engine."""
+
+import pytest
+
+from app import engine_views as ev
+
+
+def _bench(ar_tps, seq_speedup):
+    return {"summary": [{"dataset": "gsm8k", "mode": "ar", "tokens_per_s": ar_tps, "speedup": 1.0},
+                        {"dataset": "gsm8k", "mode": "d3d-seq", "tokens_per_s": ar_tps * seq_speedup, "speedup": seq_speedup}]}
+
+
+ENGINES = {"summary": {
+    "runners": {"fast": {"tokens_per_s": 25.0, "step_ms": 38.0}, "int4": {"tokens_per_s": 60.0, "step_ms": 15.0},
+                "llama-cpp": {"tokens_per_s": 100.0, "step_ms": None}},
+    "pairs": [{"a": "fast", "b": "int4", "speed_ratio": 25 / 60, "shared_prefix_share": 0.9},
+              {"a": "fast", "b": "llama-cpp", "speed_ratio": 0.25, "shared_prefix_share": 0.8},
+              {"a": "int4", "b": "llama-cpp", "speed_ratio": 0.6, "shared_prefix_share": 0.95}]}}
+
+
+def test_engines_table_inverts_pairs_against_fp32_and_llama():
+    df = ev.engines_table(ENGINES).set_index("runner")
+    int4 = df.loc[ev.RUNNER_NAMES["int4"]]
+    assert int4["× fp32 ar"] == pytest.approx(2.4) and int4["× llama.cpp"] == pytest.approx(0.6)
+    assert int4["tokens agreeing with fp32 ar"] == "90%"
+    llama = df.loc[ev.RUNNER_NAMES["llama-cpp"]]
+    assert llama["× fp32 ar"] == pytest.approx(4.0) and llama["× llama.cpp"] == 1.0
+    assert ev.engines_table(None).empty
+
+
+def test_speculation_figure_labels_each_bar_with_its_own_engines_speedup():
+    fig = ev.speculation_by_engine_figure({"fast": _bench(25.0, 1.55), "int4": _bench(60.0, 1.2)}, ENGINES)
+    bars = {b.name: b for b in fig.data}
+    assert set(bars) == {"fp32 engine", "int4 engine"}
+    assert list(bars["int4 engine"].text) == ["ar", "1.20× ar"] and list(bars["fp32 engine"].text) == ["ar", "1.55× ar"]
+    assert bars["fp32 engine"].marker.pattern.shape == "/"
+    assert any("llama.cpp, plain: 100 tok/s" in (a.text or "") for a in fig.layout.annotations)
+    empty = ev.speculation_by_engine_figure({})
+    assert "no bench result" in empty.layout.annotations[0].text
+
+
+def test_engines_text_states_the_measured_numbers():
+    t = ev.engines_text(ENGINES, {"fast": _bench(25.0, 1.55), "int4": _bench(60.0, 1.2)})
+    assert "25 tok/s" in t and "60 tok/s" in t and "2.40×" in t and "100 tok/s" in t
+    assert "1.55× on fp32" in t and "1.20× on int4" in t
+    assert ev.engines_text(None, {}) == "No engine comparison is shipped for this bundle."
