@@ -560,7 +560,9 @@ def build_demo() -> gr.Blocks:
                             "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                             "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
                             "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
-                            "(the same number as \"a round costs N ar steps\").")
+                            "(the same number as \"a round costs N ar steps\"). This T_step is usually larger than the "
+                            "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine): it also holds "
+                            "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile.")
                 econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
                 econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
                                           interactive=False, wrap=True)
