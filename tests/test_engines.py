@@ -98,3 +98,18 @@ def test_llama_cpp_peer_decodes_the_bundled_gguf(smollm):
         row = peers.run_peer(smollm, name, ids, cfg, item, ref)
         assert row["mode"] == name and row["n_tokens"] == 16 and row["decode_time_s"] > 0 and row["tau"] is None
         assert row["same_prefix"] >= 4, smollm.tokenizer.decode(peers.peer_decode(smollm, name, ids, cfg)[0])
+
+
+def test_each_engine_reads_its_own_cost_table(toy):
+    """The verify plan's costs follow the engine: a shipped int4 table on int4, the fp32 one otherwise (and where no
+    int4 table is shipped)."""
+    from dataclasses import replace
+
+    from conftest import engine
+
+    b = replace(toy, costs_fp32={"which": "fp32"}, costs_int4={"which": "int4"})
+    assert b.costs["which"] == "fp32"
+    with engine(b.target, "int4"):
+        assert b.target.engine == "int4" and b.costs["which"] == "int4"
+        assert replace(b, costs_int4={}).costs["which"] == "fp32"
+    assert b.costs["which"] == "fp32"

@@ -60,12 +60,22 @@ class Bundle:
     drafter_info: dict = field(default_factory=dict)  # kind -> "trained: ..." / "untrained (initialised ...)"
     description: str = ""
     attention: str = "sdpa"  # the target's attention kernel (flash_attention_2 / sdpa)
-    costs: dict = field(default_factory=dict)  # the shipped cost breakdown (assets/bench/<name>-costs.json): the verify plan's input
+    costs_fp32: dict = field(default_factory=dict)  # the shipped cost breakdown (assets/bench/<name>-costs.json): the verify plan's input
     extra: dict = field(default_factory=dict)  # name -> directory of a further shipped drafter, loaded on first use (d3d-deep)
+    costs_int4: dict = field(default_factory=dict)  # the int4 engine's (assets/bench/<name>-costs-int4.json), when shipped
 
     @property
     def device(self):
         return self.target.device
+
+    @property
+    def costs(self) -> dict:
+        """The cost breakdown of the engine new decodes run on: a verify of 8 rows costs about one fp32 step but
+        several int4 steps, so each engine's verify plan and draft gate read their own table (the fp32 one where
+        the int4 one is not shipped)."""
+        if self.costs_int4 and self.target.engine == "int4":
+            return self.costs_int4
+        return self.costs_fp32
 
     def drafter_names(self) -> list:
         return sorted(set(self.drafters) | set(self.extra))
@@ -214,7 +224,8 @@ def _load(name: str, device: str) -> Bundle:
     for kind, path in extra.items():
         tr = (asset_json("drafters", name, kind, "config.json") or {}).get("training")
         info[kind] = "trained (loaded on first use)" + (f": {json.dumps(tr)[:200]}" if tr else "")
-    return Bundle(name, target, tok, drafters, info, spec.description, costs=shipped_costs(name) if device == "cpu" else {}, extra=extra)
+    return Bundle(name, target, tok, drafters, info, spec.description, costs_fp32=shipped_costs(name) if device == "cpu" else {}, extra=extra,
+                  costs_int4=shipped_costs(name, "int4") if device == "cpu" else {})
 
 
 def extra_d3d_drafters(name: str) -> dict:
@@ -238,10 +249,11 @@ def asset_json(*parts) -> Optional[dict]:
     return d if isinstance(d, dict) else None
 
 
-def shipped_costs(name: str) -> dict:
-    """The bundle's shipped CPU cost breakdown (``python -m d3d_core.measure.costs --out``), or {} when
-    there is none or it cannot be read (the verify plan then treats every width as one step)."""
-    return asset_json("bench", f"{name}-costs.json") or {}
+def shipped_costs(name: str, engine: str = "fast") -> dict:
+    """The bundle's shipped CPU cost breakdown (``python -m d3d_core.measure.costs --out``) of ``engine`` (fast:
+    ``<name>-costs.json``; int4: ``<name>-costs-int4.json``), or {} when there is none or it cannot be read (the
+    verify plan then treats every width as one step)."""
+    return asset_json("bench", f"{name}-costs.json" if engine == "fast" else f"{name}-costs-{engine}.json") or {}
 
 
 def default_drafter_config(kind: str, target: Target, spec: BundleSpec, num_layers: Optional[int] = None, block_size: int = 8,
