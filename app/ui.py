@@ -51,13 +51,14 @@ def _traces(state) -> list:
     return [state["traces"].get(m) for m in MODES if state["traces"].get(m) is not None]
 
 
-def _columns(state, running_mode=None) -> list:
+def _columns(state, running=()) -> list:
+    """The race columns; ``running``: the modes still decoding (a race runs them all at once, taking turns)."""
     trs = _traces(state)
     tpt = ar_time_per_token(trs)
     econ = {e.mode: e for e in race_economics(trs)}
     return [
-        column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m == running_mode),
-                    econ=econ.get(m) if m != running_mode else None)
+        column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m in running),
+                    econ=econ.get(m) if m not in running else None)
         for m in MODES
     ]
 
@@ -206,15 +207,22 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         flag.start_clock(APP_RACE_SECONDS)  # a shared server: nobody holds the decode lane for long
         remote = _stream_is_remote()
         gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter)
+        live = set(modes)
         try:
             for mode, tr, done in gen:
+                # The modes take turns round by round (service.race); every mode's clock is stopped while this
+                # handler runs, so building and sending an update never counts in a mode's time. Updates are
+                # throttled (STREAM_EVERY_S) and the last one comes with the final status below.
                 state["traces"][mode] = tr
+                if done:
+                    live.discard(mode)
                 now = time.perf_counter()
-                if done or now - last >= STREAM_EVERY_S:
+                if live and now - last >= STREAM_EVERY_S:
                     last = now
-                    state["pieces"].update(service.pieces(bundle, [tr], known=state["pieces"]))
-                    yield (f"Running `{mode}`{note} on {info['description']} ({info['engine']} engine, target attention: {info['attention']}) …",
-                           *_columns(state, None if done else mode), state)
+                    state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
+                    yield (f"Running {', '.join(f'`{m}`' for m in modes)}{note}, taking turns round by round, on {info['description']} "
+                           f"({info['engine']} engine, target attention: {info['attention']}) …",
+                           *_columns(state, live), state)
                 if remote and flag.is_set():
                     break  # the worker cannot see the flag: stop reading it (it also stops at its own time limit)
         except ValueError as e:
@@ -232,6 +240,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
             gen.close()
         runs.finish(run_id)
     state["run"] = None
+    state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))  # the rounds since the last update
     ran = [m for m in MODES if m in state["traces"]]
     stopped = cancelled or any(state["traces"][m].finish_reason == "cancelled" for m in ran)
     health.count("stopped" if stopped else "races")

@@ -12,8 +12,10 @@ import threading
 from typing import Iterator, Optional
 
 from .decoding.config import DecodeConfig
-from .decoding.engine import iter_decode, warm_up
+from .decoding.engine import iter_decode, mode_threads, warm_up
 from .decoding.plan import plan_of
+from .decoding.schedule import interleave, token_share
+from .decoding.warm import warm_rows, warm_shapes
 from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_json, traces_to_json
 from .limits import APP_LIMITS
 from .measure.clock import retime_all
@@ -150,13 +152,23 @@ def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=N
 
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
          d3d_drafter: str = "d3d") -> Iterator[tuple]:
-    """Run the modes one after another (fair timings on a shared CPU) and stream
-    (mode, trace, done) after every round; each finished trace carries the machine's load while it ran (``load``). A cancel stops the current mode within a round
-    and skips the rest. ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the
-    D3D modes use. ``skip_layers``: None races that drafter as shipped (the default may be a shipped
-    pruned one); a list races it with exactly those layers skipped (the default drafter only)."""
+    """Race the modes on one prompt, streaming ``(mode, trace, done)`` after each mode's prefill and every round.
+
+    The modes take turns, one round at a time, the turn going to the mode furthest behind in committed tokens
+    (``decoding.schedule``): all columns grow together, and any drift of the machine's speed is spread over every
+    mode instead of landing on whichever ran then. Each mode's times are its own (its clock stops while the others
+    take their turns, and while the caller renders what it was given), and each turn ends quiescent (d3d-async's
+    drafter thread has nothing in flight), so no mode runs, or is timed, during another's turn. Before the first
+    race of a configuration every forward shape each mode will use is warmed, at that mode's thread counts
+    (``decoding.warm``), so no mode pays a first use another does not. Each finished trace carries the machine's load
+    over its own turns (``load``). A cancel ends every mode within a round (finish "cancelled").
+
+    ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the D3D modes use. ``skip_layers``: None
+    races that drafter as shipped (the default may be a shipped pruned one); a list races it with exactly those
+    layers skipped (the default drafter only)."""
     b = get_bundle(bundle_name)
     check_race_drafter(bundle_name, d3d_drafter, skip_layers)
+    modes = check_modes(modes)
     d3d = b.drafter(d3d_drafter)
     with _WARM_LOCK:
         if bundle_name not in _WARM:
@@ -165,20 +177,29 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
         if (bundle_name, d3d_drafter) not in _WARM and d3d_drafter != "d3d":
             warm_up(b, drafter=d3d)
             _WARM.add((bundle_name, d3d_drafter))
+        for m in modes:  # every shape this race's modes will meet (verify widths, drafter rows, thread counts)
+            cfg = base.with_(mode=m)
+            key = (bundle_name, d3d_drafter if m.startswith("d3d") else None, m, cfg.block_size, cfg.hypotheses,
+                   cfg.threads, mode_threads(cfg, b.target.device), warm_rows(cfg))
+            if key not in _WARM:
+                warm_shapes(b, cfg, drafter=d3d if m.startswith("d3d") else None)
+                _WARM.add(key)
     if skip_layers is not None:
         d3d = d3d.pruned(skip_layers)
-    for m in check_modes(modes):
-        if cancel is not None and cancel.is_set():
-            return
-        dr = d3d if m in ("d3d-seq", "d3d-async") else None
-        tr = None
-        watch = LoadWatch()  # the machine's load while this mode runs, carried in its trace (``Trace.load``)
-        for tr in iter_decode(b, prompt, base.with_(mode=m), cancel=cancel, drafter=dr):
-            yield m, tr, False
-        if tr is not None:
-            load = watch.stop()
-            tr.load = MachineLoad(**load) if load else None
-        yield m, tr, True
+    if cancel is not None and cancel.is_set():
+        return
+    steps = {m: iter_decode(b, prompt, base.with_(mode=m), cancel=cancel, drafter=d3d if m.startswith("d3d") else None)
+             for m in modes}
+    watch = {m: LoadWatch(running=False) for m in modes}  # the machine's load over each mode's own turns (``Trace.load``)
+    try:
+        for m, tr, done in interleave(steps, token_share(base.max_new_tokens), around=lambda m: watch[m].counting()):
+            if done and tr is not None:
+                load = watch[m].stop()
+                tr.load = MachineLoad(**load) if load else None
+            yield m, tr, done
+    finally:
+        for g in steps.values():
+            g.close()
 
 
 def pieces(bundle_name: str, traces: list, known: Optional[dict] = None) -> dict:

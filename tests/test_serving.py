@@ -166,8 +166,9 @@ def test_stop_stops_a_running_race_through_its_run_id(toy):
             stopped_at = len(state["traces"]["ar"].output_ids)
     status, *cols, state = last
     assert stopped_at is not None and status.startswith("**Stopped**")
-    ar = state["traces"]["ar"]
-    assert ar.finish_reason == "cancelled" and len(ar.output_ids) < 400 and "d3d-async" not in state["traces"]
+    for m in ("ar", "d3d-async"):  # the modes race at once, taking turns: a stop ends every one within a round
+        tr = state["traces"][m]
+        assert tr.finish_reason == "cancelled" and len(tr.output_ids) < 400, m
     assert state["run"] is None
     assert ui.stop_race(ui.empty_state()).startswith("Stopping") and not runs.cancel("no-such-run")
 

@@ -230,8 +230,7 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     is_cancelled = (cancel.is_set if hasattr(cancel, "is_set") else cancel) or (lambda: False)
 
     device = bundle.target.device
-    threads = cfg.threads or (1 if (strategy_cls.concurrent and device.type == "cpu") else torch.get_num_threads())
-    solo = cfg.threads or torch.get_num_threads()  # for work that runs while the other lane is idle
+    threads, solo = mode_threads(cfg, device)
     costs = costs or CostModel.from_breakdown(getattr(bundle, "costs", None), threads)
     trace = Trace(
         mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
@@ -239,12 +238,36 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
         drafter=drafter.describe() if drafter is not None else "",
     )
     lanes = Lanes(device, strategy_cls.concurrent)
+    rec = Recorder(device)
+    steps = None
     try:
-        with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
-            run = Run(bundle.target, cfg, lanes, Recorder(device), costs, solo_threads=solo if device.type == "cpu" else None)
-            yield from _loop(run, strategy_cls(run, drafter), trace, bundle.tokenizer, is_cancelled)
+        # Each step (prefill, then one round) runs with this mode's threads and on its own clock, and ends quiescent:
+        # between two steps the decode may stay suspended while other modes of a race take their turn (service.race),
+        # and neither their rounds nor the UI's work count in this decode's times, nor does its drafter thread run then.
+        while True:
+            with cpu_threads(threads) if device.type == "cpu" else contextlib.nullcontext(), rec.running():
+                if steps is None:
+                    run = Run(bundle.target, cfg, lanes, rec, costs, solo_threads=solo if device.type == "cpu" else None)
+                    steps = _loop(run, strategy_cls(run, drafter), trace, bundle.tokenizer, is_cancelled)
+                try:
+                    out = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    lanes.quiesce()
+            yield out
     finally:
+        if steps is not None:
+            steps.close()
         lanes.close()
+
+
+def mode_threads(cfg: DecodeConfig, device) -> tuple:
+    """(intra-op threads a decode of ``cfg.mode`` runs with, threads for its work while the other lane is idle):
+    all cores, or one per lane where the drafter runs beside the target on a CPU (d3d-async)."""
+    concurrent = STRATEGIES[cfg.mode].concurrent
+    threads = cfg.threads or (1 if (concurrent and torch.device(device).type == "cpu") else torch.get_num_threads())
+    return threads, cfg.threads or torch.get_num_threads()
 
 
 # ----------------------------------------------------------------------------- the shared loop
@@ -282,7 +305,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     """prefill -> (draft -> verify -> commit -> trace)*; ``mode`` decides how blocks are drafted."""
     cfg, target, rec = run.cfg, run.target, run.rec
     eos = tok.eos_ids if cfg.stop_at_eos else frozenset()
-    wall0 = time.perf_counter()
+    wall0 = rec.now_s()  # the decode's own clock: it stops while the decode is suspended between two yields
     t_cache = target.new_cache()
     mode.start_prefill(trace.prompt_ids)
     with run.lanes.target_ctx(), rec.span("target", "prefill", -1):
@@ -291,7 +314,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     run.n_target_fwd += 1
     mode.finish_prefill(trace.prompt_ids, out)
     _sync(run)
-    t_decode0 = time.perf_counter()
+    t_decode0 = rec.now_s()
     trace.first_token, trace.output_ids = first, [first]
     finish = "eos" if first in eos else ("length" if cfg.max_new_tokens <= 1 else "")
     yield trace
@@ -342,7 +365,7 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             yield trace
 
     _sync(run)
-    t_end = time.perf_counter()
+    t_end = rec.now_s()
     trace.spans = rec.finalize()
     trace.finish_reason = finish
     trace.output_text = tok.decode(trace.output_ids)

@@ -17,6 +17,7 @@ shipped cost breakdown); ``SLOW_STEP`` times slower flags it (``Quietness.agains
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
@@ -187,18 +188,42 @@ class LoadWatch:
     """The machine's load while one mode of a race runs: ``w = LoadWatch(); ...; d = w.stop()`` gives the fields of
     ``trace.MachineLoad`` (a dict), or None where /proc/stat cannot be read (not Linux)."""
 
-    def __init__(self):
+    def __init__(self, running: bool = True):
         self.load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        self.t0, (self.busy0, self.steal0), self.own0 = time.perf_counter(), _cpu_times(), _own_cpu_s()
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # wall, busy, steal, own CPU s over the segments measured so far
+        self._at = None
+        if running:
+            self.resume()
+
+    def resume(self) -> None:
+        """Start (again) counting: a race whose modes take turns measures each mode over its own turns only."""
+        if self._at is None:
+            busy, steal = _cpu_times()
+            self._at = (time.perf_counter(), busy, steal, _own_cpu_s())
+
+    def pause(self) -> None:
+        if self._at is None:
+            return
+        busy, steal = _cpu_times()
+        now = (time.perf_counter(), busy, steal, _own_cpu_s())
+        self._sums = [s + (b - a) for s, a, b in zip(self._sums, self._at, now)]
+        self._at = None
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.resume()
+        try:
+            yield
+        finally:
+            self.pause()
 
     def stop(self) -> Optional[dict]:
-        wall = time.perf_counter() - self.t0
-        busy, steal = _cpu_times()
-        own = _own_cpu_s() - self.own0
-        if busy != busy or self.busy0 != self.busy0 or wall <= 0:
+        self.pause()
+        wall, busy, steal, own = self._sums
+        if busy != busy or wall <= 0:
             return None
-        other = max(0.0, (busy - self.busy0) - own)
-        steal = max(0.0, steal - self.steal0)
+        other = max(0.0, busy - own)
+        steal = max(0.0, steal)
         cores = os.cpu_count() or 1
         is_busy, why = busy_verdict(other / wall, steal / wall, cores)
         return dict(wall_s=round(wall, 3), other_cpu_s=round(other, 3), other_cores=round(other / wall, 3),
