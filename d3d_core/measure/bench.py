@@ -206,6 +206,12 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
     bar = tqdm(total=len(items) * n_runs, desc="bench", file=sys.stderr, disable=not progress)
     for it in items:
         ids = item_ids(bundle, it, base)
+        need = len(ids) + base.max_new_tokens + max(block_sizes) + 2
+        if need > bundle.target.max_positions:  # e.g. a long MT-Bench turn on a toy target: said, not a traceback
+            print(f"skipped {it.dataset} item {it.id}: {len(ids)} prompt tokens + {base.max_new_tokens} new tokens + one block exceed "
+                  f"the target's {bundle.target.max_positions} positions", file=sys.stderr)
+            bar.update(n_runs)
+            continue
         ref = None
         runs = ([("ar", base.block_size, (base.verify, base.drafting))] if "ar" in modes else []) + [
             (m, B, pl) for pl in plans for B in block_sizes for m in draft_modes]
@@ -296,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(DecodeConfig(), f))
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sampling", default="match", choices=["match", "rejection"])
-    p.add_argument("--d3d-drafter", default=None, help="a D3D drafter: a directory (config.json + model.safetensors) or a shipped one's name (d3d-deep)")
+    p.add_argument("--d3d-drafter", default=None, help="a D3D drafter: a shipped one's name (d3d-deep), or a directory / hub id holding this project's layout (config.json "
+                        "with 'kind' + model.safetensors) or a standalone drafter of its own shape (a Qwen3 causal-LM safetensors "
+                        "checkpoint with a mask token id, e.g. tests/fixtures/d3d-qwen3-tiny)")
     p.add_argument("--dflash-drafter", default=None, help="path of a DFlash-style drafter")
     p.add_argument("--skip-layers", default="", help="comma list of D3D drafter layers to skip (pruning)")
     p.add_argument("--device", default=None)
@@ -510,8 +518,10 @@ def load_override_drafters(bundle, args) -> dict:
     d3d = bundle.drafter("d3d")
     if args.d3d_drafter and args.d3d_drafter in bundle.d3d_names():  # a shipped one by name, e.g. d3d-deep
         d3d = bundle.drafter(args.d3d_drafter)
-    elif args.d3d_drafter:
-        d3d = load_drafter(args.d3d_drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+    elif args.d3d_drafter:  # a directory: this project's layout, or a causal-LM checkpoint (a standalone drafter of its own shape)
+        from ..models.bundles import _resolve
+
+        d3d = load_drafter(_resolve(args.d3d_drafter, "D3D drafter"), bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     if args.skip_layers:
         d3d = d3d.pruned([int(x) for x in args.skip_layers.split(",")])
     if d3d is not bundle.drafter("d3d"):

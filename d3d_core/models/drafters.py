@@ -107,6 +107,9 @@ class DrafterConfig:
     # computes, so with a causal anchor slot at full depth draft 1 stays the target's token however training goes
     # (issue #15, "protect the anchor path"), and the saved drafter is the adapters alone
     adapter_rank: int = 0
+    # True (D3D): a standalone drafter of its own shape — its own width, depth, heads, embedding, LM head and rotary embedding
+    # (``arch`` is then the drafter's own, not the target's; same vocabulary), loaded from a causal-LM checkpoint (``standalone``)
+    standalone: bool = False
 
     def __post_init__(self):
         if self.anchor_attention not in ANCHOR_ATTENTION_RULES:
@@ -122,12 +125,16 @@ class DrafterConfig:
             raise ValueError(f"drafter config: adapter_rank must be >= 0, got {self.adapter_rank}")
         if self.adapter_rank and self.kind != "d3d":
             raise ValueError("drafter config: adapter_rank applies to D3D drafters only (their MASK slots carry the adapters)")
+        if self.standalone and (self.kind != "d3d" or self.adapter_rank):
+            raise ValueError("drafter config: standalone applies to D3D drafters without adapters (they own every weight)")
 
     def describe(self) -> str:
         """One short line naming the drafter this config builds (a trace's ``drafter``, the app's picker and columns)."""
         name = {"d3d": "D3D", "dflash": "DFlash"}.get(self.kind, self.kind)
         n = self.num_layers - len(self.skip_layers)
         text = f"{name} drafter, {n} layer{'s' if n != 1 else ''}"
+        if self.standalone:
+            text = f"{name} standalone drafter, {n} layer{'s' if n != 1 else ''} (own width {self.arch.hidden_size}, embedding and LM head)"
         if self.adapter_rank and not self.training:
             text = f"{name} shared-weight adapter drafter, {n} layer{'s' if n != 1 else ''} (the target's own, + rank-{self.adapter_rank} adapters"
             text += ", untrained adapters: draft 1 = target's token)" if self.first_draft_is_targets() else ", untrained)"
@@ -673,6 +680,8 @@ class D3DDrafter(_DrafterBase):
         # (not an adapter drafter: its base must compute exactly the target's values at the anchor slot)
         if not cfg.adapter_rank:
             fastops.mark_int8(self, *(layer.mlp for layer in self.layers), *(layer.mlp.down_proj for layer in self.layers))
+        if cfg.standalone:  # its own embedding, LM head and rotary embedding: registered, so .to() moves them with the layers
+            self.embed_tokens, self.lm_head, self.rotary_emb = shared.embed_tokens, shared.lm_head, shared.rotary_emb
 
     def build_inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int, cache_prefix: bool = False):
         """Embeddings, positions and the 4-D additive mask for one packed forward.
@@ -826,6 +835,10 @@ def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtyp
 
     path = Path(path)
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
+    from .standalone import is_causal_lm_dir, load_standalone_d3d
+
+    if is_causal_lm_dir(path):  # a causal-LM checkpoint (e.g. a public D3D drafter): a standalone drafter of its own shape
+        return load_standalone_d3d(path, arch.vocab_size, device=device, dtype=dtype)
     missing = [p.name for p in (cfg_file, w_file) if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"drafter at {path} is missing {', '.join(missing)}")
