@@ -85,7 +85,7 @@ DFLASH = """
 ### DFlash: a block-diffusion drafter that leans on the target
 The DFlash-style drafter fills all `B-1` masked positions in one pass (block diffusion, one denoising
 step). It is strong because it reads **hidden states of the target** from a few of the target's layers — its
-**feature layers** (5 evenly spaced ones, here target layers 1, 8, 14, 20 and 27 of 30), fused and injected as
+**feature layers** (5 evenly spaced ones: in the smollm2-135m bundle, target layers 1, 8, 14, 20 and 27 of 30), fused and injected as
 extra keys/values. Its own stack is separate and small: its **drafter layers** (2 in this CPU bundle — the Race
 tab's "2 drafter layers"; 5 in the public Qwen3-8B DFlash drafter the GPU profiles model). But those hidden
 states exist only *after* the target has verified the previous block — so drafter and target must take turns,
