@@ -7,7 +7,8 @@ settings the modes use (all cores for sequential work, one per lane for d3d-asyn
 d3d-async runs its verify and its packed pass *at the same time*, on two lanes that share the
 machine's memory bandwidth and caches, so each costs more than when it runs alone. The probe
 therefore also times the pair together (``concurrent_ms``: verify(B) ‖ packed(H), one thread
-each), and the latency model's async round uses those contended costs.
+each), and the latency model's async round uses those contended costs. On CUDA the pair runs on two
+streams timed by CUDA events, beside two controls (one issuing thread; one stream): ``_concurrent_ms_cuda``.
 """
 
 from __future__ import annotations
@@ -113,14 +114,19 @@ def probe_costs(bundle, block_sizes=(1, 2, 4, 8, 16), hypotheses=(1, 2, 4, 8), c
         g_lane = torch.Generator().manual_seed(1)  # the lane never shares a generator with the main thread
         res["concurrent_ms"] = {H: _concurrent_ms(verifier(B_packed),
                                                   lambda H=H: d3d_packed(d3d, dcache, 5, draft, DecodeConfig(block_size=B_packed, hypotheses=H), g_lane),
-                                                  repeats) for H in hypotheses}
+                                                  repeats, device=target.device) for H in hypotheses}
     res["packed_block_size"] = B_packed
     return res
 
 
-def _concurrent_ms(main_fn, lane_fn, repeats: int) -> dict:
-    """Run main_fn on this thread while lane_fn runs on a worker (as d3d-async does); medians
-    of each one's own duration and of the pair's wall time."""
+def _concurrent_ms(main_fn, lane_fn, repeats: int, device=None) -> dict:
+    """verify ‖ packed pass as d3d-async runs them: medians of each one's own duration and of the pair's round time.
+
+    On CUDA (``device`` a CUDA device): :func:`_concurrent_ms_cuda` — each lane on its own stream, timed by CUDA events,
+    with its two controls. Elsewhere (the CPU path, labelled ``clock``): main_fn on this thread while lane_fn runs on a
+    worker thread, each timed by the host's ``perf_counter`` (on a CPU the work is done when the call returns)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return _concurrent_ms_cuda(main_fn, lane_fn, repeats, torch.device(device))
     pool = ThreadPoolExecutor(max_workers=1)
 
     def timed(fn):
@@ -142,7 +148,74 @@ def _concurrent_ms(main_fn, lane_fn, repeats: int) -> dict:
                 wall_t.append((time.perf_counter() - t) * 1e3)
     finally:
         pool.shutdown(wait=True)
-    return {"verify": statistics.median(main_t), "packed": statistics.median(lane_t), "round": statistics.median(wall_t)}
+    return {"verify": statistics.median(main_t), "packed": statistics.median(lane_t), "round": statistics.median(wall_t),
+            "clock": "cpu: perf_counter, two host threads"}
+
+
+CUDA_ARMS = ("two_streams", "one_thread", "one_stream")
+
+
+def _concurrent_ms_cuda(main_fn, lane_fn, repeats: int, device) -> dict:
+    """The CUDA concurrency probe. Three arms, interleaved (each once per repeat, after one warm-up round each):
+
+    - ``two_streams`` (what d3d-async does): main_fn issued by this thread on the target's stream, lane_fn issued by a
+      worker thread on the drafter's own stream;
+    - ``one_thread`` (control): the same two streams, both issued by this thread one after the other (what the second
+      issuing thread buys);
+    - ``one_stream`` (control): both on one stream, back to back (no overlap possible: the sequential cost).
+
+    Every arm starts after a device synchronise and ends with one, so ``round`` (host wall ms, launch overhead
+    included) times the work, not its launch. Each lane's own time and the overlap come from CUDA events recorded on
+    its stream around its work (``overlap``: ms during which both lanes' event intervals were open). Streams and
+    events are created here, inside the call (never at import)."""
+    s_main, s_lane = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-probe-lane")
+
+    def on(stream, fn):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream), torch.inference_mode():
+            a.record(stream)
+            fn()
+            b.record(stream)
+        return a, b
+
+    def arm(kind: str) -> dict:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.Event(enable_timing=True)
+        base.record(torch.cuda.current_stream(device))
+        s_main.wait_event(base)
+        s_lane.wait_event(base)
+        t = time.perf_counter()
+        if kind == "two_streams":
+            fut = pool.submit(on, s_lane, lane_fn)
+            m = on(s_main, main_fn)
+            ln = fut.result()
+        elif kind == "one_thread":
+            m = on(s_main, main_fn)
+            ln = on(s_lane, lane_fn)
+        else:
+            m = on(s_main, main_fn)
+            ln = on(s_main, lane_fn)
+        torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - t) * 1e3
+        (m0, m1), (l0, l1) = [(base.elapsed_time(a), base.elapsed_time(b)) for a, b in (m, ln)]
+        return {"verify": m1 - m0, "packed": l1 - l0, "round": wall, "events_round": max(m1, l1) - min(m0, l0),
+                "overlap": max(0.0, min(m1, l1) - max(m0, l0))}
+
+    try:
+        for kind in CUDA_ARMS:  # warm-up
+            arm(kind)
+        samples = {k: [] for k in CUDA_ARMS}
+        for _ in range(repeats):
+            for kind in CUDA_ARMS:
+                samples[kind].append(arm(kind))
+    finally:
+        pool.shutdown(wait=True)
+    med = {k: {f: statistics.median(x[f] for x in xs) for f in xs[0]} for k, xs in samples.items()}
+    out = dict(med["two_streams"])
+    out["clock"] = "cuda: events per stream, device synchronised before and after each round"
+    out["controls"] = {"one_thread": med["one_thread"], "one_stream": med["one_stream"]}
+    return out
 
 
 def costs_text(c: dict) -> str:
@@ -325,7 +398,7 @@ def overlap_crossover(bundle, depths=(8, 16, 30), B: int = 8, H: int = 1, ctx_le
         with cpu_threads(1):
             d1 = _median_ms(lambda: d3d_draft(dr, dcache, [], 5, cfg, g), repeats)
             g_lane = torch.Generator().manual_seed(1)
-            pair = _concurrent_ms(verify, lambda: d3d_packed(dr, dcache, 5, draft, cfg, g_lane), repeats)
+            pair = _concurrent_ms(verify, lambda: d3d_packed(dr, dcache, 5, draft, cfg, g_lane), repeats, device=target.device)
         seq, asy = v2 + d2, pair["round"] + (1 - hit_rate) * d1
         rows.append({"depth": d, "verify_ms": v2, "draft_ms": d2, "draft_per_verify": d2 / v2, "seq_round_ms": seq,
                      "async_round_ms": asy, "verify_1t_concurrent_ms": pair["verify"], "packed_1t_concurrent_ms": pair["packed"],
