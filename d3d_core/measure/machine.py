@@ -153,8 +153,9 @@ class QuietWatch:
 # ----------------------------------------------------------------------------- a race's machine load
 # A race (the app's, ``service.race``) is judged less strictly than a bench run: the Race tab is a demo on a shared
 # server whose own UI threads are excluded anyway (same process). Others keeping a quarter of a core busy on average,
-# or the hypervisor stealing a twentieth, shifts the modes' times (they run one after another) by more than the
-# spread the race itself shows, so the app then says the ratios are unreliable.
+# or the hypervisor stealing a twentieth, shifts the modes' times by more than the spread the race itself shows (the
+# modes take turns round by round, so a steady load slows them alike, but a busy machine's speed jumps from one round
+# to the next), so the app then says the ratios are unreliable. Each mode's load is measured over its own turns.
 RACE_BUSY_CORES = 0.25  # other processes' mean CPU use (cores) during a race above which it is flagged busy
 RACE_BUSY_STEAL = 0.05  # mean steal time (cores) above which it is flagged busy
 
