@@ -38,6 +38,9 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
+ENGINE_INFO = ("fp32: the fast engine, the GGUF's weights dequantised to fp32. int4: the GGUF's own 4-bit blocks through torch's "
+               "int4 kernel, a faster ar. Every mode is lossless against ar on the same engine; a faster ar leaves "
+               "speculation less to win, so its speedups there are the harder test.")
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
 
@@ -149,13 +152,13 @@ def d3d_picker(bundle):
     return gr.update(choices=[(lab, n) for n, lab in names.items()], value="d3d", visible=len(names) > 1)
 
 
-def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter):
+def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine=None):
     """The GPU part of a race: decode every mode, streaming (mode, trace, done). Its arguments and what it yields are
     plain, picklable data; on ZeroGPU it runs in the GPU worker (``race_stream``), where the CUDA streams and events
     of each decode are created. It stops at the race's cancel flag (``app.runs``) or, in a worker that cannot see
     that flag, at the race's time limit."""
     flag = runs.flag(run_id, APP_RACE_SECONDS)
-    yield from service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter)
+    yield from service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter, engine=engine)
 
 
 race_stream = maybe_gpu(_race_stream, duration=stream_duration)  # at import: ZeroGPU registers GPU functions before launch
@@ -168,7 +171,7 @@ def _stream_is_remote() -> bool:
 
 
 def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state,
-             d3d_drafter="d3d"):
+             d3d_drafter="d3d", engine=None):
     """Stream the race: columns after every round (throttled), plots at the end. The bundle is loaded here, before
     the GPU part (``race_stream``) is entered."""
     state = dict(state or empty_state())
@@ -178,6 +181,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         modes = service.check_modes(modes)
         base = service.settings(modes[0], block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting)
         bundle = service.check_bundle(bundle)
+        engine = service.check_engine(engine)
     except ValueError as e:
         gr.Warning(str(e))
         yield (f"**Error:** {e}", *[no] * 4, state)
@@ -206,7 +210,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         last = 0.0
         flag.start_clock(APP_RACE_SECONDS)  # a shared server: nobody holds the decode lane for long
         remote = _stream_is_remote()
-        gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter)
+        gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine)
         live = set(modes)
         try:
             for mode, tr, done in gen:
@@ -221,7 +225,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
                     last = now
                     state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
                     yield (f"Running {', '.join(f'`{m}`' for m in modes)}{note}, taking turns round by round, on {info['description']} "
-                           f"({info['engine']} engine, target attention: {info['attention']}) …",
+                           f"({engine} engine, target attention: {info['attention']}) …",
                            *_columns(state, live), state)
                 if remote and flag.is_set():
                     break  # the worker cannot see the flag: stop reading it (it also stops at its own time limit)
@@ -531,6 +535,9 @@ def build_demo() -> gr.Blocks:
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep: all the target's layers + adapters. Higher τ, but here each draft costs about "
                                                  "one target step: race both and compare.")
+                        engine = gr.Radio([("fp32 (fast engine)", "fp32"), ("int4 (the GGUF's 4-bit blocks)", "int4")],
+                                          value=service.default_engine(), label="Engine (every mode, ar included)", elem_id="engine",
+                                          info=ENGINE_INFO)
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -662,7 +669,7 @@ def build_demo() -> gr.Blocks:
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx, tl_cap]
         run_ev = run_btn.click(
-            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick],
+            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine],
             race_outputs,
             api_name="race", concurrency_limit=1, concurrency_id="decode",
         )

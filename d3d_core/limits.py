@@ -21,6 +21,10 @@ APP_CONCURRENCY = 2  # events running at once (decodes share one lane, see app/u
 # instead of a ratio (a handful of rounds is a handful of noisy samples: see ``measure.reading``)
 RACE_MIN_TIMED_ROUNDS = 8
 RACE_SPREAD_RESAMPLES = 400  # round-level bootstrap resamples behind a race speedup's 10–90 % spread
+# the Race tab's engines (``service.race(engine=...)``): the fp32 fast engine, or the int4 engine (the bundled GGUF's
+# 4-bit blocks); the app's default is $D3D_ENGINE when set to one of them, else APP_ENGINE_DEFAULT
+APP_ENGINES = ("fp32", "int4")
+APP_ENGINE_DEFAULT = "fp32"
 APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
 APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
 # oneDNN's and ideep's kernel caches keep one compiled kernel per input shape, up to 1024 each by

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
 from .decoding.config import DecodeConfig
@@ -17,7 +18,7 @@ from .decoding.plan import plan_of
 from .decoding.schedule import interleave, token_share
 from .decoding.warm import warm_rows, warm_shapes
 from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_json, traces_to_json
-from .limits import APP_LIMITS
+from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
@@ -150,8 +151,47 @@ def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=N
         raise ValueError("the Pruning tab prunes the default D3D drafter: race it, or untick the pruned-drafter box")
 
 
+def default_engine() -> str:
+    """The Race tab's engine when a visitor picks none: ``$D3D_ENGINE`` when it names one of ``limits.APP_ENGINES``
+    (``fast`` reads as fp32), else ``limits.APP_ENGINE_DEFAULT``."""
+    env = os.environ.get("D3D_ENGINE", "").strip().lower()
+    return {"fast": "fp32", "fp32": "fp32", "int4": "int4"}.get(env, APP_ENGINE_DEFAULT)
+
+
+def check_engine(engine: Optional[str]) -> str:
+    engine = (engine or default_engine()).strip().lower()
+    if engine not in APP_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(APP_ENGINES)}")
+    return engine
+
+
+@contextmanager
+def on_engine(b, engine: str):
+    """Decodes of bundle ``b`` inside the block run on ``engine`` (fp32: the fast engine; int4: the GGUF's 4-bit
+    blocks). Races hold the one decode lane, so no other decode of this target runs meanwhile."""
+    old = b.target.engine_request
+    if old != "eager":  # D3D_ENGINE=eager: the process runs Hugging Face's forward, nothing to choose
+        b.target.engine_request = "int4" if engine == "int4" else "fp32"
+    try:
+        if engine == "int4" and b.target.engine != "int4":
+            raise ValueError(f"the int4 engine cannot run bundle {b.name!r}: "
+                             f"{b.target.int4_reason() or b.target.fast_reason() or 'not available here'}; race it on fp32")
+        yield
+    finally:
+        b.target.engine_request = old
+
+
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
-         d3d_drafter: str = "d3d") -> Iterator[tuple]:
+         d3d_drafter: str = "d3d", engine: Optional[str] = None) -> Iterator[tuple]:
+    """``engine``: fp32 or int4 (:func:`check_engine`; None: the app's default); every mode of the race runs on it."""
+    engine = check_engine(engine)
+    b = get_bundle(bundle_name)
+    with on_engine(b, engine):
+        yield from _race(b, bundle_name, prompt, modes, base, skip_layers, cancel, d3d_drafter, engine)
+
+
+def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers, cancel, d3d_drafter: str,
+          engine: str) -> Iterator[tuple]:
     """Race the modes on one prompt, streaming ``(mode, trace, done)`` after each mode's prefill and every round.
 
     The modes take turns, one round at a time, the turn going to the mode furthest behind in committed tokens
@@ -166,20 +206,19 @@ def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_la
     ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the D3D modes use. ``skip_layers``: None
     races that drafter as shipped (the default may be a shipped pruned one); a list races it with exactly those
     layers skipped (the default drafter only)."""
-    b = get_bundle(bundle_name)
     check_race_drafter(bundle_name, d3d_drafter, skip_layers)
     modes = check_modes(modes)
     d3d = b.drafter(d3d_drafter)
     with _WARM_LOCK:
-        if bundle_name not in _WARM:
-            warm_up(b)  # the first race of a process must not time the fast engine's weight packing
-            _WARM.add(bundle_name)
-        if (bundle_name, d3d_drafter) not in _WARM and d3d_drafter != "d3d":
+        if (bundle_name, engine) not in _WARM:
+            warm_up(b)  # the first race of a process (per engine) must not time weight packing
+            _WARM.add((bundle_name, engine))
+        if (bundle_name, d3d_drafter, engine) not in _WARM and d3d_drafter != "d3d":
             warm_up(b, drafter=d3d)
-            _WARM.add((bundle_name, d3d_drafter))
+            _WARM.add((bundle_name, d3d_drafter, engine))
         for m in modes:  # every shape this race's modes will meet (verify widths, drafter rows, thread counts)
             cfg = base.with_(mode=m)
-            key = (bundle_name, d3d_drafter if m.startswith("d3d") else None, m, cfg.block_size, cfg.hypotheses,
+            key = (bundle_name, engine, d3d_drafter if m.startswith("d3d") else None, m, cfg.block_size, cfg.hypotheses,
                    cfg.threads, mode_threads(cfg, b.target.device), warm_rows(cfg))
             if key not in _WARM:
                 warm_shapes(b, cfg, drafter=d3d if m.startswith("d3d") else None)

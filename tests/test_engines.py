@@ -113,3 +113,21 @@ def test_each_engine_reads_its_own_cost_table(toy):
         assert b.target.engine == "int4" and b.costs["which"] == "int4"
         assert replace(b, costs_int4={}).costs["which"] == "fp32"
     assert b.costs["which"] == "fp32"
+
+
+def test_a_race_runs_every_mode_on_the_engine_asked_for(toy):
+    """service.race(engine=...): every mode on that engine (recorded in each trace), lossless against ar there, and
+    the target's own request restored afterwards; an unknown engine is refused with the choices."""
+    from d3d_core import service
+    from d3d_core.decoding.config import DecodeConfig
+
+    base = DecodeConfig(block_size=4, max_new_tokens=16, stop_at_eos=False)
+    before = toy.target.engine_request
+    for eng, want, modes in (("int4", "int4", list(service.MODES)), ("fp32", "fast", ["ar", "d3d-seq"])):
+        done = {m: tr for m, tr, fin in service.race("toy", "the cat sat on", modes, base, engine=eng) if fin}
+        assert set(done) == set(modes)
+        assert {tr.engine for tr in done.values()} == {want}
+        assert all(tr.output_ids == done["ar"].output_ids for tr in done.values())
+        assert toy.target.engine_request == before
+    with pytest.raises(ValueError, match="unknown engine 'int8'; choose one of fp32, int4"):
+        list(service.race("toy", "the cat", ["ar"], base, engine="int8"))

@@ -235,7 +235,7 @@ def iter_decode(bundle, prompt, cfg: DecodeConfig = DecodeConfig(), cancel=None,
     trace = Trace(
         mode=cfg.mode, bundle=bundle.name, config=asdict(cfg), prompt_text=text, prompt_ids=prompt_ids,
         device=str(device), verify_costs=costs.table(cfg.effective_block), cost_source=costs.source,
-        drafter=drafter.describe() if drafter is not None else "",
+        drafter=drafter.describe() if drafter is not None else "", engine=bundle.target.engine,
     )
     lanes = Lanes(device, strategy_cls.concurrent)
     rec = Recorder(device)

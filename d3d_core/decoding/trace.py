@@ -166,6 +166,7 @@ class Trace:
     cost_source: Annotated[str, Strict(), Field(max_length=300)] = ""  # where those costs were measured
     drafter: Annotated[str, Strict(), Field(max_length=200)] = ""  # the drafter that ran (``describe()``), "" for ar
     load: Optional[MachineLoad] = None  # the machine's load while it ran (a race records it; None: not measured)
+    engine: Annotated[str, Strict(), Field(max_length=20)] = ""  # the target's engine (fast / int4 / eager; "": not recorded)
     version: Int = TRACE_VERSION
 
     # ---- serialisation

@@ -127,6 +127,8 @@ class Target:
         return "int4" if self.int4_wanted() and self.int4_reason() is None else "fast"
 
     def int4_wanted(self) -> bool:
+        """int4 asked for: by this target (``engine="int4"``), or process-wide (``D3D_ENGINE=int4``) unless this
+        target asked for ``"fp32"`` (the fast engine, never int4: the app's per-race engine choice)."""
         return self.engine_request == "int4" or (self.engine_request == "fast" and fastops.int4_requested())
 
     def int4_reason(self) -> Optional[str]:
