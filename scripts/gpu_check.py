@@ -78,9 +78,16 @@ def ensure_vendored(root: Path = ROOT) -> str:
         raise SystemExit(f"error: pydantic is not installed and {root / 'wheels'} holds no wheel of {', '.join(missing)} for "
                          f"Python {platform.python_version()} on {platform.machine()}: pack again with --pack (it fetches wheels for "
                          f"CPython {', '.join(WHEEL_PYTHONS)})")
-    dest = root / ".vendor" / f"py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    dest = root / ".vendor" / tag
     if not (dest / ".done").is_file():
-        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only copy of the pack: unpack under the temporary directory instead
+            import tempfile
+
+            dest = Path(tempfile.gettempdir()) / "d3d-gpu-check-vendor" / tag
+            dest.mkdir(parents=True, exist_ok=True)
         for w in fit:
             with zipfile.ZipFile(w) as z:
                 z.extractall(dest)
@@ -463,6 +470,8 @@ def run_oracle(rep: Report, bundle, drafters: dict, prof: dict, budget_s: float)
             row.update(repeats=len(row["seq_ms_per_token"]), seq_median=s, async_median=a, async_over_seq_speed=s / a,
                        async_wins=a < s, realised_hit_rate=statistics.mean(row["hits"]), overlap_median=statistics.median(row["overlap"]))
             rep.data["oracle"] = [rows[k] for k in cells if rows[k]["async_ms_per_token"]]
+            # the (drafter, τ, hit rate) region where d3d-async beats d3d-seq on this device, so far
+            rep.data["async_beats_seq"] = [[r["drafter"], r["tau"], r["hit_rate"]] for r in rep.data["oracle"] if r["async_wins"]]
             rep.save()
 
 

@@ -95,3 +95,28 @@ def test_the_gpu_check_refuses_to_run_without_cuda_unless_dry_run(tmp_path, caps
         pytest.skip("this host has CUDA")
     assert gpu_check.run_check(tmp_path / "x.json", dry_run=False, device="cpu") == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_cpu_concurrency_probe_is_labelled_as_the_cpu_path():
+    from d3d_core.measure.costs import _concurrent_ms
+
+    r = _concurrent_ms(lambda: sum(range(2000)), lambda: sum(range(1000)), 3, device="cpu")
+    assert r["clock"].startswith("cpu:") and "controls" not in r and r["round"] > 0
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the CUDA probe needs a CUDA device")
+def test_cuda_concurrency_probe_times_two_streams_and_its_controls():
+    """Two matmul chains on their own streams overlap; on one stream they cannot (its events never overlap), and the
+    one-stream round is no shorter than the longer lane alone."""
+    import torch
+
+    from d3d_core.measure.costs import _concurrent_ms
+
+    a = torch.randn(2048, 2048, device="cuda")
+    b = torch.randn(2048, 2048, device="cuda")
+    work = lambda x: [x @ x for _ in range(20)]  # noqa: E731
+    r = _concurrent_ms(lambda: work(a), lambda: work(b), 3, device="cuda")
+    assert r["clock"].startswith("cuda:") and set(r["controls"]) == {"one_thread", "one_stream"}
+    one = r["controls"]["one_stream"]
+    assert one["overlap"] == 0.0 and one["events_round"] >= 0.9 * max(one["verify"], one["packed"])
+    assert r["verify"] > 0 and r["packed"] > 0 and r["round"] > 0

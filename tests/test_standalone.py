@@ -154,3 +154,15 @@ def test_bench_races_the_standalone_drafter_lossless_and_says_why_it_refuses(tmp
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert "error: D3D drafter at" in err and "vocabulary of 60 tokens" in err
+
+
+def test_loader_refuses_a_checkpoint_whose_weights_do_not_cover_the_model(tmp_path, toy_qwen3):
+    """A checkpoint without some of its layers' tensors: transformers would leave them random, so the loader refuses
+    instead of drafting from noise."""
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(tmp_path)
+    sd = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if not k.startswith("model.layers.1.mlp.")}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(StandaloneError, match=r"lacks 3 of its qwen3 weights \(e.g. model.layers.1.mlp"):
+        load_standalone_d3d(d, toy_qwen3.target.arch.vocab_size)

@@ -13,6 +13,9 @@ position k predicts the token at position s+k).
   attend to that cache. Because it needs nothing from the target, it can draft while
   the target verifies (the ``d3d-async`` mode, see ``engine.py``).
 
+A D3D drafter may also be **standalone** (``DrafterConfig.standalone``, loaded by ``standalone.py`` from a causal-LM
+checkpoint): its own width, depth, heads, embedding, LM head and rotary embedding, same vocabulary, same D3D rules.
+
 Shapes: the engine decodes one sequence at a time, so tensors carry a leading batch of 1.
 ``T`` = cached positions, ``N`` = query positions in this forward, ``H`` = hidden size,
 ``nh``/``nkv`` = query / key-value heads, ``hd`` = head dim, ``V`` = vocabulary.

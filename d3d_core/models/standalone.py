@@ -10,7 +10,7 @@ inference from their sizes and names; we have not been able to read one (no netw
   q/k-norm) and ``model.safetensors`` or a sharded ``model.safetensors.index.json`` (never a pickle: ``.bin`` /
   ``.pt`` are refused, not read);
 - the same vocabulary as the target (``vocab_size`` equal): drafts are token ids the target verifies;
-- a mask token id: ``mask_token_id`` in ``config.json`` (top level, or inside ``d3d_config`` / ``dflash_config``), or
+- a mask token id: ``mask_token_id`` in ``config.json`` (top level, or inside ``d3d_config``), or
   the ``mask_token`` of ``tokenizer_config.json`` resolved through its ``added_tokens_decoder`` or ``tokenizer.json``.
 
 It becomes a :class:`~d3d_core.models.drafters.D3DDrafter` with ``standalone=True``: its own width, depth, heads,
@@ -33,7 +33,7 @@ from .drafters import ArchConfig, D3DDrafter, DrafterConfig, SharedParts
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MASK_CONFIG_KEYS = ("mask_token_id",)
-MASK_NESTED = ("d3d_config", "dflash_config")
+MASK_NESTED = ("d3d_config",)
 
 
 class StandaloneError(ValueError):
@@ -175,14 +175,29 @@ def load_standalone_d3d(path, vocab_size: int, device="cpu", dtype=torch.float32
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .hardware import estimate_params, require_memory
+
     path = Path(path)
     _, mask, _ = check_standalone_dir(path, vocab_size)
+    bad = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
+
+    def unreadable(e):
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return StandaloneError(f"D3D drafter at {path} could not be read as a causal-LM checkpoint ({type(e).__name__}: {first})")
+
     try:
         hf_cfg = AutoConfig.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), config=hf_cfg, dtype=dtype, use_safetensors=True)
-    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise StandaloneError(f"D3D drafter at {path} could not be read as a causal-LM checkpoint ({type(e).__name__}: {first})") from None
+    except bad as e:
+        raise unreadable(e) from None
+    require_memory(f"D3D drafter at {path}", estimate_params(hf_cfg), dtype, device)  # BundleUnavailable (one sentence) before any weight is read
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), config=hf_cfg, dtype=dtype, use_safetensors=True, output_loading_info=True)
+    except bad as e:
+        raise unreadable(e) from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would leave them random: refuse rather than draft from noise
+        raise StandaloneError(f"D3D drafter at {path} lacks {len(missing)} of its {hf_cfg.model_type} weights (e.g. {missing[0]}): "
+                              "not a whole causal-LM checkpoint")
     model.eval()
     d = standalone_from_hf(model, mask, block_size=block_size, source=str(path))
     return d.to(device)
