@@ -166,3 +166,35 @@ def test_loader_refuses_a_checkpoint_whose_weights_do_not_cover_the_model(tmp_pa
     save_file({k: v for k, v in sd.items() if not k.startswith("model.layers.1.mlp.")}, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(StandaloneError, match=r"lacks 3 of its qwen3 weights \(e.g. model.layers.1.mlp"):
         load_standalone_d3d(d, toy_qwen3.target.arch.vocab_size)
+
+
+def test_the_qwen3_bundle_takes_a_standalone_drafter_whose_mask_token_is_in_its_tokenizer(tmp_path):
+    """The qwen3-8b code path (D3D_QWEN3_D3D=DIR) on small local directories: a standalone drafter half the target's
+    width whose mask token comes from its saved tokenizer (a real one, <|MASK|>); every mode equals ar."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from d3d_core.models.bundles import load_qwen3_bundle
+    from test_qwen3_path import _tokenizer
+
+    tok = _tokenizer()
+    for name, shape, seed in (("target", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4), 0),
+                              ("drafter", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2), 1)):
+        cfg = Qwen3Config(vocab_size=len(tok), num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+                          eos_token_id=tok.eos_token_id, pad_token_id=0, **shape)
+        torch.manual_seed(seed)
+        m = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():
+            m.lm_head.weight.mul_(12.0)
+        m.to(torch.float16 if name == "drafter" else torch.float32).save_pretrained(tmp_path / name)
+        if name == "drafter":
+            tok.add_special_tokens({"mask_token": "<|MASK|>"})
+        tok.save_pretrained(tmp_path / name)
+    assert "mask_token_id" not in json.loads((tmp_path / "drafter" / "config.json").read_text())
+    b = load_qwen3_bundle("qwen3-standalone-test", str(tmp_path / "target"), d3d=str(tmp_path / "drafter"), device="cpu")
+    d = b.drafter("d3d")
+    assert d.cfg.standalone and d.cfg.arch.hidden_size == 32 and d.cfg.mask_token_id == tok.convert_tokens_to_ids("<|MASK|>")
+    assert b.drafter_info["d3d"].endswith(str(tmp_path / "drafter"))
+    ref = decode(b, "what is two plus two?", DecodeConfig(mode="ar", max_new_tokens=24, stop_at_eos=False))
+    for mode in MODES[1:]:
+        tr = decode(b, "what is two plus two?", DecodeConfig(mode=mode, max_new_tokens=24, block_size=4, stop_at_eos=False))
+        assert tr.output_ids == ref.output_ids, mode
