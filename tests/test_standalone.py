@@ -171,10 +171,10 @@ def test_loader_refuses_a_checkpoint_whose_weights_do_not_cover_the_model(tmp_pa
 def test_the_qwen3_bundle_takes_a_standalone_drafter_whose_mask_token_is_in_its_tokenizer(tmp_path):
     """The qwen3-8b code path (D3D_QWEN3_D3D=DIR) on small local directories: a standalone drafter half the target's
     width whose mask token comes from its saved tokenizer (a real one, <|MASK|>); every mode equals ar."""
+    from test_qwen3_path import _tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from d3d_core.models.bundles import load_qwen3_bundle
-    from test_qwen3_path import _tokenizer
 
     tok = _tokenizer()
     for name, shape, seed in (("target", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4), 0),
