@@ -3,17 +3,20 @@
 #   scripts/setup_venv.sh          runtime dependencies (what the app needs)
 #   scripts/setup_venv.sh --dev    + test dependencies and Debian's chromium for browser tests
 #   scripts/setup_venv.sh --llama-cpp  + llama-cpp-python, the optional llama.cpp peer of the bench and the
-#                                  Benchmarks tab (compiled from source: about 5 minutes on two cores, needs cmake + a C++ compiler)
+#                                  Benchmarks tab (compiled from source for this CPU: 5-10 minutes on two cores, needs cmake
+#                                  and a C++ compiler; --rebuild compiles it again)
 # Idempotent: reinstalls only when a requirements file changed (stamp in .venv/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=0
 LLAMA=0
+REBUILD=0
 for a in "$@"; do
   case "$a" in
     --dev) DEV=1 ;;
     --llama-cpp) LLAMA=1 ;;
-    *) echo "usage: scripts/setup_venv.sh [--dev] [--llama-cpp]" >&2; exit 2 ;;
+    --rebuild) REBUILD=1 ;;
+    *) echo "usage: scripts/setup_venv.sh [--dev] [--llama-cpp [--rebuild]]" >&2; exit 2 ;;
   esac
 done
 LLAMA_CPP_VERSION=0.3.36  # keep equal to d3d_core/measure/peers.py LLAMA_CPP_VERSION
@@ -39,9 +42,14 @@ if [[ ! -f $stamp || "$(cat $stamp)" != "$hash" ]]; then
   fi
   echo "$hash" > "$stamp"
 fi
-if [[ $LLAMA == 1 ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  echo "[setup] compiling llama-cpp-python==$LLAMA_CPP_VERSION for this CPU (about 5 minutes on two cores)" >&2
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_VERSION" >&2
+if [[ $LLAMA == 1 ]] && { [[ $REBUILD == 1 ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; }; then
+  echo "[setup] compiling llama-cpp-python==$LLAMA_CPP_VERSION for this CPU (5-10 minutes on two cores)" >&2
+  # built for this CPU (-march=native) but without AMX: Xeons report AMX tiles that VMs often do not enable, and
+  # ggml's AMX kernels then die of SIGILL (seen on this project's Xeon machines); SmolLM2's decode does not use them
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  CFLAGS="$noamx" CXXFLAGS="$noamx" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    .venv/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION" >&2
+  .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_VERSION" >&2  # its small pure-Python dependencies
 fi
 if [[ $DEV == 1 && ! -x /usr/bin/chromium ]]; then
   # browser tests drive Debian's chromium (never `playwright install`)

@@ -21,7 +21,11 @@ reports how often that happens. τ is not observable through ``generate``, so it
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -71,10 +75,36 @@ def usable_peers(bundle, peers: list, warn=print) -> list:
         why = LLAMA_CPP_INSTALL
     elif gguf_of(bundle) is None:
         why = f"the llama.cpp peers need a GGUF target and bundle {bundle.name!r} has none"
+    else:
+        why = llama_cpp_broken(gguf_of(bundle))
     if why is None:
         return list(peers)
     warn(f"note: skipping {', '.join(p for p in peers if p in LLAMA_PEERS)}: {why}")
     return [p for p in peers if p not in LLAMA_PEERS]
+
+
+_PROBED: dict = {}
+
+
+def llama_cpp_broken(gguf) -> Optional[str]:
+    """None when the installed llama.cpp decodes ``gguf`` on this CPU, else why not. Probed once per process in a
+    child process: a build for instructions this machine cannot run (AMX tiles inside a VM that does not enable
+    them) dies of SIGILL, which would otherwise take the whole bench down after its measurements."""
+    key = str(gguf)
+    if key not in _PROBED:
+        code = ("import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
+                "g = m.generate([1, 2, 3], temp=0.0); next(g); print('ok')")
+        try:
+            r = subprocess.run([sys.executable, "-c", code, key], capture_output=True, text=True, timeout=120)
+            ok = r.returncode == 0 and r.stdout.strip().endswith("ok")
+            why = None if ok else (
+                "the installed llama.cpp cannot run on this CPU (killed by SIGILL: it was built for instructions this machine "
+                "does not allow; `scripts/setup_venv.sh --llama-cpp --rebuild` builds it again without AMX)" if r.returncode == -signal.SIGILL
+                else f"the installed llama.cpp failed a one-token test (exit {r.returncode}: {(r.stderr or '').strip()[-200:]})")
+        except subprocess.TimeoutExpired:
+            why = "the installed llama.cpp did not decode one token within 120 s"
+        _PROBED[key] = why
+    return _PROBED[key]
 
 
 _LLAMAS: dict = {}
