@@ -21,7 +21,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "d3d-qwen3-tiny"
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_d3d_fixture  # noqa: E402
 
-PROMPTS = ["hello world", "what is 2+2? tell me.", "abc abc abc"]
+PROMPTS = ["hello world", "what is 2+2? tell me."]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_standalone_drafter_is_lossless_in_every_mode(toy_qwen3, standalone):
     assert drafted > 0  # the standalone drafter did draft (every token was still the target's)
 
 
-@pytest.mark.parametrize("mode,rule", [("d3d-seq", "rejection"), ("d3d-async", "match"), ("d3d-async", "rejection")])
+@pytest.mark.parametrize("mode,rule", [("d3d-seq", "rejection"), ("d3d-async", "rejection")])  # rejection sampling reads the drafter's q
 def test_standalone_drafter_samples_the_target_distribution(toy_qwen3, standalone, mode, rule):
     """T > 0: the second output token over 600 seeds follows the target's exact distribution (chi-square)."""
     from test_sampling import _assert_second_token_matches_target
@@ -198,3 +198,9 @@ def test_the_qwen3_bundle_takes_a_standalone_drafter_whose_mask_token_is_in_its_
     for mode in MODES[1:]:
         tr = decode(b, "what is two plus two?", DecodeConfig(mode=mode, max_new_tokens=24, block_size=4, stop_at_eos=False))
         assert tr.output_ids == ref.output_ids, mode
+
+
+def test_a_standalone_drafter_is_not_resaved_in_the_project_layout(standalone, tmp_path):
+    with pytest.raises(ValueError, match="not re-saved"):
+        standalone.save(tmp_path / "x")
+    assert not (tmp_path / "x").exists()

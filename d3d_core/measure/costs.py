@@ -345,11 +345,11 @@ def breakdown(bundle, ctx_len: int = 300, block_sizes=VERIFY_WIDTHS, hypotheses=
     nd = len(d3d.active_layers())
     q8 = fastops.int8_status()["drafter_int8"] == "on"  # the D3D drafter's MLPs and head read 1 byte per weight
     forwards.append((f"d3d draft({B_draft})", B_draft, lambda: d3d_draft(d3d, dcache, [], 5, cfg, g),
-                     work_of(arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len, int8=q8)))
+                     work_of(d3d.cfg.arch, B_draft + 1, nd, B_draft, head_k(d3d), ctx_len, int8=q8)))  # a standalone drafter has its own shape
     for H in hypotheses:
         cH = cfg.with_(hypotheses=H)
         forwards.append((f"d3d packed(H={H})", B_draft, lambda cH=cH: d3d_packed(d3d, dcache, 5, draft, cH, g),
-                         work_of(arch, B_draft + H * (B_draft + 1), nd, H * B_draft, head_k(d3d), ctx_len, int8=q8)))
+                         work_of(d3d.cfg.arch, B_draft + H * (B_draft + 1), nd, H * B_draft, head_k(d3d), ctx_len, int8=q8)))
     forwards.append((f"dflash draft({B_draft})", B_draft, lambda: dflash_draft(dfl, fcache, None, 5, cfg, g),
                      work_of(arch, B_draft, len(dfl.active_layers()), B_draft - 1, head_k(dfl), ctx_len)))
     out = {"ctx_len": ctx_len, "repeats": repeats, "engine": target.engine, "machine": {}, "rows": [],

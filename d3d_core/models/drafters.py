@@ -650,6 +650,9 @@ class _DrafterBase(nn.Module):
     def save(self, path) -> None:
         from safetensors.torch import save_file
 
+        if self.cfg.standalone:  # its rotary embedding and shape live in its causal-LM config.json, which this layout does not hold
+            raise ValueError("a standalone D3D drafter is not re-saved in this project's layout: keep (or copy) its causal-LM checkpoint directory")
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().to(torch.float16).contiguous() for k, v in self.own_state_dict().items()}
