@@ -101,8 +101,10 @@ def ensure_vendored(root: Path = ROOT) -> str:
 
 def _tracked_files(root: Path) -> list:
     try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True, timeout=60).stdout
-        files = [f for f in out.decode().split("\0") if f]
+        # tracked files and untracked ones git does not ignore (work not yet committed travels too)
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root, capture_output=True,
+                             check=True, timeout=60).stdout
+        files = sorted({f for f in out.decode().split("\0") if f})
     except (OSError, subprocess.SubprocessError):  # not a git checkout (e.g. a pack itself): every file under the root
         files = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
     return [f for f in files if not f.startswith(PACK_EXCLUDE) and (root / f).is_file()]
