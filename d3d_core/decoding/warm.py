@@ -19,7 +19,8 @@ What each mode meets (B = block size, H = hypotheses, N = max new tokens):
   blocks (1..H) of B+1 slots on the drafter lane; a synchronous draft (as d3d-seq's) and a skipped round's verify
   of 1 row on every core.
 
-Row counts beyond 32 run at ``fastops.row_bucket``'s bounded sizes, so one row count per bucket is enough there.
+Row counts beyond 32 run at ``fastops.row_bucket``'s bounded sizes, so one row count per bucket is enough there. On
+a GPU (no per-shape kernels to build; a ZeroGPU window is short) the catch-up sweeps stop at B tokens.
 The target's prefill (the prompt's length) is not warmed: it is not part of any speedup.
 """
 
@@ -156,10 +157,12 @@ def warm_shapes(bundle, cfg: DecodeConfig, drafter=None) -> float:
             _verify_widths(target, [1] if mode == "ar" else range(1, B + 1), feature_layers, vocab)
         if mode == "ar":
             return time.perf_counter() - t0
-        ctx = [c - (B + 1) for c in row_counts(B + 1, B + 1 + N + B)]  # rows of a draft: unseen tokens + B + 1 slots
+        # rows of a draft: unseen tokens + B + 1 slots. On a GPU no kernel is built per row count (no oneDNN), and a
+        # ZeroGPU window is short: there only the common catch-ups (up to B unseen tokens) run.
+        ctx = [c - (B + 1) for c in row_counts(B + 1, B + 1 + (N + B if on_cpu else B))]
         if mode == "dflash":
             with at(threads):
-                _dflash(drafter, target, cfg, N + B, vocab)
+                _dflash(drafter, target, cfg, N + B if on_cpu else B, vocab)
         elif mode == "d3d-seq":
             with at(threads):
                 _d3d_drafts(drafter, cfg, ctx, vocab)
