@@ -19,7 +19,7 @@ from d3d_core.measure.economics import race_economics
 from d3d_core.measure.latency import measured_taus, project_modes
 from d3d_core.measure.reading import race_load
 
-from . import explain, figures, health, runs
+from . import engine_views, explain, figures, health, runs
 from .export import race_html, traces_json_of
 from .spaces_gpu import PRUNING_SECONDS, maybe_gpu, stream_duration, zerogpu_installed
 from .tokens import ar_time_per_token, column_html, drafter_confound, legend_html
@@ -392,6 +392,14 @@ def measure_pruned(bundle, active, state):
     return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau), layer_ms=per_layer), state
 
 
+def engines_views(bundle) -> tuple:
+    """The Benchmarks tab's engines section for ``bundle``: (text, table, figure) from its shipped engines run and
+    per-engine benches (``service.engine_runs``)."""
+    engines, benches = service.engine_runs(bundle)
+    return (engine_views.engines_text(engines, benches) + (("\n\n" + service.provenance(engines)) if engines else ""),
+            engine_views.engines_table(engines), engine_views.speculation_by_engine_figure(benches, engines))
+
+
 def bench_views(bundle) -> tuple:
     """The Benchmarks tab's views of a bundle's shipped bench result, sweep and cost breakdown, each
     read once: (provenance, measured table, model check, dataset choices, acceptance figure, sweep
@@ -610,6 +618,14 @@ def build_demo() -> gr.Blocks:
                 b_cprov = gr.Markdown(v_cprov)
                 b_costs = gr.Plot(v_costs, label="Cost breakdown")
                 b_overlap = gr.Markdown(v_overlap, elem_id="overlap-crossover")
+                gr.Markdown("**Engines: how fast is the baseline, and what is speculation worth at each speed?** "
+                            "`python -m d3d_core.measure.engines` times plain decoding on the fp32 and int4 engines and llama.cpp "
+                            "(`--peers llama-cpp`, an optional install) on the same prompts and threads in one run; a bench per engine "
+                            "(`bench --engine fast|int4`) times every mode against that engine's own ar. The Race tab races on either engine.")
+                e_text, e_table, e_fig = engines_views(home)
+                b_etext = gr.Markdown(e_text, elem_id="engines-text")
+                b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
+                b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
                             "with the costs the run itself paid (mean span times) and, where the bench ran with `--cost-probe`, with separately "
                             "probed costs (those columns appear only when measured). "
@@ -707,6 +723,7 @@ def build_demo() -> gr.Blocks:
             return prov, table, check, gr.update(choices=ds, value="all"), acc, sweep, cprov, costs, overlap
 
         bundle.change(on_bundle_bench, [bundle], [b_prov, b_table, b_check, b_ds, b_acc, b_sweep, b_cprov, b_costs, b_overlap], api_name=False)
+        bundle.change(engines_views, [bundle], [b_etext, b_etable, b_efig], api_name=False)
         bundle.change(lambda b: gr.update(value=service.default_block(b)), [bundle], [block], api_name=False, queue=False)
         bundle.change(d3d_picker, [bundle], [d3d_pick], api_name=False, queue=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],

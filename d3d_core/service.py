@@ -362,6 +362,15 @@ def clock_assumptions(clock: str) -> str:
             "(sequential: draft then verify; async: the longer of verify and the packed pass, plus a sync draft after a miss).")
 
 
+def engine_runs(bundle_name: str) -> tuple:
+    """(engines run, {engine: bench result}) shipped for the bundle: ``python -m d3d_core.measure.engines``
+    (assets/bench/<name>-engines.json: ar on each engine and llama.cpp, one run) and a bench per engine
+    (<name>-fp32.json, <name>-int4.json: every mode on that engine, one run each), each None when absent."""
+    engines = _asset_json("bench", f"{bundle_name}-engines.json")
+    benches = {e: _asset_json("bench", f"{bundle_name}-{n}.json", schema="bench result") for e, n in (("fast", "fp32"), ("int4", "int4"))}
+    return engines, {e: b for e, b in benches.items() if b}
+
+
 def cost_breakdown(bundle_name: str) -> Optional[dict]:
     """The shipped cost breakdown (python -m d3d_core.measure.costs), if any."""
     return _asset_json("bench", f"{bundle_name}-costs.json")

@@ -44,3 +44,12 @@ def test_engines_text_states_the_measured_numbers():
     assert "25 tok/s" in t and "60 tok/s" in t and "2.40×" in t and "100 tok/s" in t
     assert "1.55× on fp32" in t and "1.20× on int4" in t
     assert ev.engines_text(None, {}) == "No engine comparison is shipped for this bundle."
+
+
+def test_the_tab_reads_shipped_engine_runs_and_says_when_there_are_none():
+    from app.ui import engines_views
+    from d3d_core import service
+
+    assert service.engine_runs("toy") == (None, {})
+    text, table, fig = engines_views("toy")
+    assert text.startswith("No engine comparison") and table.empty and "no bench result" in fig.layout.annotations[0].text
