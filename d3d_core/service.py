@@ -16,8 +16,8 @@ from .decoding.config import DecodeConfig
 from .decoding.engine import iter_decode, mode_threads, warm_up
 from .decoding.plan import plan_of
 from .decoding.schedule import interleave, token_share
-from .decoding.warm import warm_rows, warm_shapes
 from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_json, traces_to_json
+from .decoding.warm import warm_rows, warm_shapes
 from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import PRESETS, async_profile, per_token_ms

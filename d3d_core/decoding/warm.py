@@ -33,7 +33,7 @@ import torch
 
 from ..models import fastops
 from .config import DecodeConfig
-from .engine import STRATEGIES, Draft, d3d_draft, d3d_packed, d3d_prefill, dflash_draft, mode_threads
+from .engine import STRATEGIES, d3d_draft, d3d_packed, d3d_prefill, dflash_draft, mode_threads
 from .timing import Lanes, cpu_threads
 
 _PROMPT = 16  # tokens of the warm-up's own context (target and drafter)

@@ -24,7 +24,6 @@ import sys
 import time
 from itertools import combinations
 from pathlib import Path
-from typing import Optional
 
 from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
