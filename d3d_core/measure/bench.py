@@ -200,7 +200,7 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
     # warm-up (untimed): first calls pay allocator / kernel selection costs
     for m in modes:
         decode(bundle, items[0].messages[-1]["content"], base.with_(mode=m, max_new_tokens=8), drafter=drafters.get(m))
-    rows = []
+    rows, dropped = [], set()
     draft_modes = [m for m in modes if m != "ar"]
     n_runs = ("ar" in modes) + len(draft_modes) * len(block_sizes) * len(plans) + len(peers)
     bar = tqdm(total=len(items) * n_runs, desc="bench", file=sys.stderr, disable=not progress)
@@ -225,7 +225,14 @@ def run_bench(bundle, items: list, modes: list, base: DecodeConfig, progress=Tru
             bar.set_postfix(mode=m, B=B, tau=f"{tr.stats.tau:.2f}")
             bar.update(1)
         for p in peers:
-            rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size, verify=base.verify, drafting=base.drafting))
+            if p in dropped:
+                bar.update(1)
+                continue
+            try:
+                rows.append(dict(run_peer(bundle, p, ids, base, it, ref), block_size=base.block_size, verify=base.verify, drafting=base.drafting))
+            except Exception as e:  # noqa: BLE001 — a peer (another library) failing must not take the run down
+                dropped.add(p)
+                print(f"note: peer {p} failed ({type(e).__name__}: {str(e)[:200]}) and is dropped from the rest of the run", file=sys.stderr)
             bar.update(1)
     bar.close()
     return rows

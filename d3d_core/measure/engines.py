@@ -77,7 +77,7 @@ def run_engines(bundle, items: list, runners: list, base: DecodeConfig, progress
     warm_ids = item_ids(bundle, items[0], base)
     for r in runners:
         run_one(bundle, r, warm_ids, base.with_(max_new_tokens=8))
-    out = []
+    out, dropped = [], set()
     bar = tqdm(total=len(items) * len(runners), desc="engines", file=sys.stderr, disable=not progress)
     for i, it in enumerate(items):
         _set_engine("fast")
@@ -85,7 +85,17 @@ def run_engines(bundle, items: list, runners: list, base: DecodeConfig, progress
         order = runners[i % len(runners):] + runners[:i % len(runners)]
         runs = {}
         for r in order:
-            runs[r] = run_one(bundle, r, ids, base)
+            if r in dropped:
+                continue
+            try:
+                runs[r] = run_one(bundle, r, ids, base)
+            except Exception as e:  # noqa: BLE001 — a peer (another library) failing must not take the run down
+                if r in ENGINES:
+                    raise
+                dropped.add(r)
+                print(f"note: peer {r} failed ({type(e).__name__}: {str(e)[:200]}) and is dropped from the rest of the run",
+                      file=sys.stderr)
+                continue
             bar.set_postfix(runner=r, tps=f"{runs[r]['tokens_per_s']:.1f}")
             bar.update(1)
         out.append({"dataset": it.dataset, "id": it.id, "order": order, "prompt_tokens": len(ids), "runs": runs})

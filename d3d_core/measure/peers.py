@@ -121,6 +121,7 @@ def _llama(gguf, threads: int, lookup: bool):
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
+            kw["logits_all"] = True  # its verify reads the logits of every drafted position (without it the scores buffer overflows)
         _LLAMAS[key] = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
                              seed=0, verbose=False, **kw)
     return _LLAMAS[key]
