@@ -55,6 +55,9 @@ def test_engines_command_on_toy(tmp_path, capsys):
         assert set(r["runs"]) == {"fast", "int4", "hf-generate"}
         assert all(x["n_tokens"] >= 1 and x["decode_time_s"] > 0 for x in r["runs"].values())
         assert r["runs"]["fast"]["step_ms"] > 0 and r["runs"]["hf-generate"]["step_ms"] is None
+        for e in ("fast", "int4"):  # a step is one of the decode's parts, in ms
+            x = r["runs"][e]
+            assert x["step_ms"] * (x["n_tokens"] - 1) <= 1000 * x["decode_time_s"] * 1.01
     s = res["summary"]
     assert set(s["runners"]) == {"fast", "int4", "hf-generate"}
     pair = {(p["a"], p["b"]): p for p in s["pairs"]}

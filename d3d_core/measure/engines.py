@@ -53,7 +53,7 @@ def run_ours(bundle, engine: str, ids: list, base: DecodeConfig) -> dict:
     n = tr.stats.n_tokens
     return {"n_tokens": n, "decode_time_s": tr.stats.decode_time_s, "prefill_time_s": tr.stats.prefill_time_s,
             "tokens_per_s": (n - 1) / tr.stats.decode_time_s if n > 1 and tr.stats.decode_time_s > 0 else 0.0,
-            "step_ms": 1000 * statistics.fmean(steps) if steps else None, "output_ids": list(tr.output_ids)}
+            "step_ms": statistics.fmean(steps) if steps else None, "output_ids": list(tr.output_ids)}
 
 
 def run_one(bundle, runner: str, ids: list, base: DecodeConfig) -> dict:
