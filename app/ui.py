@@ -38,9 +38,9 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("fp32: the fast engine, the GGUF's weights dequantised to fp32. int4: the GGUF's own 4-bit blocks through torch's "
-               "int4 kernel, a faster ar. Every mode is lossless against ar on the same engine; a faster ar leaves "
-               "speculation less to win, so its speedups there are the harder test.")
+ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through torch's int4 kernel, the fastest ar this app has, so "
+               "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
+               "speculation more to win. Every mode is lossless against ar on the same engine.")
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
 
@@ -543,7 +543,7 @@ def build_demo() -> gr.Blocks:
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep: all the target's layers + adapters. Higher τ, but here each draft costs about "
                                                  "one target step: race both and compare.")
-                        engine = gr.Radio([("fp32 (fast engine)", "fp32"), ("int4 (the GGUF's 4-bit blocks)", "int4")],
+                        engine = gr.Radio([("int4 (the GGUF's 4-bit blocks)", "int4"), ("fp32 (fast engine)", "fp32")],
                                           value=service.default_engine(), label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
                 with gr.Row():

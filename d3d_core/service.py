@@ -153,9 +153,9 @@ def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=N
 
 def default_engine() -> str:
     """The Race tab's engine when a visitor picks none: ``$D3D_ENGINE`` when it names one of ``limits.APP_ENGINES``
-    (``fast`` reads as fp32), else ``limits.APP_ENGINE_DEFAULT``."""
+    (``fast`` reads as fp32; ``eager``, the Hugging Face forward, has no int4: fp32), else ``limits.APP_ENGINE_DEFAULT``."""
     env = os.environ.get("D3D_ENGINE", "").strip().lower()
-    return {"fast": "fp32", "fp32": "fp32", "int4": "int4"}.get(env, APP_ENGINE_DEFAULT)
+    return {"fast": "fp32", "fp32": "fp32", "eager": "fp32", "int4": "int4"}.get(env, APP_ENGINE_DEFAULT)  # eager: HF forward, no int4
 
 
 def check_engine(engine: Optional[str]) -> str:

@@ -134,3 +134,15 @@ def test_a_race_runs_every_mode_on_the_engine_asked_for(toy):
         assert toy.target.engine_request == before
     with pytest.raises(ValueError, match="unknown engine 'int8'; choose one of fp32, int4"):
         list(service.race("toy", "the cat", ["ar"], base, engine="int8"))
+
+
+def test_the_apps_default_engine(monkeypatch):
+    from d3d_core import service
+    from d3d_core.limits import APP_ENGINE_DEFAULT
+
+    monkeypatch.delenv("D3D_ENGINE", raising=False)
+    assert service.default_engine() == APP_ENGINE_DEFAULT == "int4"  # the fastest ar: the fairest baseline
+    for env, want in (("fast", "fp32"), ("FP32", "fp32"), ("int4", "int4"), ("eager", "fp32")):
+        monkeypatch.setenv("D3D_ENGINE", env)
+        assert service.default_engine() == want
+    assert service.check_engine(None) == "int4"
