@@ -145,4 +145,6 @@ def test_the_apps_default_engine(monkeypatch):
     for env, want in (("fast", "fp32"), ("FP32", "fp32"), ("int4", "int4"), ("eager", "fp32")):
         monkeypatch.setenv("D3D_ENGINE", env)
         assert service.default_engine() == want
+    assert service.check_engine(None) == "fp32"  # None: the default, here D3D_ENGINE=eager's
+    monkeypatch.delenv("D3D_ENGINE")
     assert service.check_engine(None) == "int4"

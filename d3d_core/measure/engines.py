@@ -29,6 +29,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
 from ..models import fastops
 from ..models.bundles import get_bundle
+from .bench import item_ids
 from .datasets import load_benchmark, parse_datasets, prompt_items
 from .machine import QuietWatch, machine_info
 from .peers import PEERS, common_prefix, parse_peers, peer_decode, usable_peers
@@ -69,8 +70,6 @@ def run_one(bundle, runner: str, ids: list, base: DecodeConfig) -> dict:
 def run_engines(bundle, items: list, runners: list, base: DecodeConfig, progress: bool = True) -> list:
     """Every runner on every item (order rotated per item); a warm-up decode per runner first (untimed)."""
     from tqdm import tqdm
-
-    from .bench import item_ids
 
     if not items:
         return []

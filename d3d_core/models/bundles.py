@@ -39,6 +39,7 @@ from .drafters import (
 )
 from .hardware import BundleUnavailable, estimate_params, gpu_available, require_memory
 from .int4 import QUANTIZE_FP32, GGUFSource
+from .standalone import load_any_drafter
 from .target import Target
 from .tokenizer import CharTokenizer, HFChatTokenizer
 
@@ -525,7 +526,7 @@ def load_qwen3_bundle(name: str, target: str, dflash: Optional[str] = None, d3d:
         drafters["dflash"] = init_drafter("dflash", tgt, spec).to(device)
         info["dflash"] = "untrained (initialised from target layers)"
     if d3d:
-        drafters["d3d"] = load_drafter(Path(_resolve(d3d, "D3D drafter")), tgt.shared, tgt.arch, device=device, dtype=dtype)
+        drafters["d3d"] = load_any_drafter(Path(_resolve(d3d, "D3D drafter")), tgt.shared, tgt.arch, device=device, dtype=dtype)
         info["d3d"] = f"trained: {d3d}"
     else:  # never an untrained copy: the target's own layers, shared, with zero-initialised adapters (draft 1 = the target's token)
         drafters["d3d"] = shared_adapter_drafter(tgt, spec.d3d_adapter_rank or 64, mask_embedding=mean_emb)

@@ -835,16 +835,13 @@ def build_drafter(cfg: DrafterConfig, shared: SharedParts) -> _DrafterBase:
 
 
 def load_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtype=torch.float32):
-    """Load a drafter saved with ``save``: config.json + model.safetensors (never pickle)."""
+    """Load a drafter saved with ``save``: config.json + model.safetensors (never pickle). A causal-LM checkpoint (a
+    standalone D3D drafter of its own shape) is read by ``standalone.load_any_drafter``, which dispatches here otherwise."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
-    from .standalone import is_causal_lm_dir, load_standalone_d3d
-
-    if is_causal_lm_dir(path):  # a causal-LM checkpoint (e.g. a public D3D drafter): a standalone drafter of its own shape
-        return load_standalone_d3d(path, arch.vocab_size, device=device, dtype=dtype)
     missing = [p.name for p in (cfg_file, w_file) if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"drafter at {path} is missing {', '.join(missing)}")

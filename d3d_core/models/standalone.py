@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .drafters import ArchConfig, D3DDrafter, DrafterConfig, SharedParts
+from .drafters import ArchConfig, D3DDrafter, DrafterConfig, SharedParts, load_drafter
+from .hardware import estimate_params, require_memory
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -175,8 +176,6 @@ def load_standalone_d3d(path, vocab_size: int, device="cpu", dtype=torch.float32
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .hardware import estimate_params, require_memory
-
     path = Path(path)
     _, mask, _ = check_standalone_dir(path, vocab_size)
     bad = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
@@ -201,3 +200,12 @@ def load_standalone_d3d(path, vocab_size: int, device="cpu", dtype=torch.float32
     model.eval()
     d = standalone_from_hf(model, mask, block_size=block_size, source=str(path))
     return d.to(device)
+
+
+def load_any_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtype=torch.float32):
+    """A drafter from a directory: a causal-LM checkpoint (e.g. a public D3D drafter) as a standalone D3D drafter of
+    its own shape, else this project's layout (``drafters.load_drafter``: config.json + model.safetensors)."""
+    path = Path(path)
+    if is_causal_lm_dir(path):
+        return load_standalone_d3d(path, arch.vocab_size, device=device, dtype=dtype)
+    return load_drafter(path, shared, arch, device=device, dtype=dtype)
