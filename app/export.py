@@ -72,7 +72,7 @@ def race_html(traces: list, pieces: dict, rounds_mode: str = "d3d-async") -> str
         f"<h1>D3D Studio race</h1><div class='meta'>bundle <b>{html.escape(first.bundle)}</b> · device {html.escape(first.device)} · "
         f"{html.escape(settings)} · exported {stamp}</div>" + machine
         + f"<h2>Prompt</h2><div class='prompt'>{html.escape(first.prompt_text)}</div>"
-        + (f"<h2>Why these speeds</h2><div class='meta'>Speedups read <i>1.55× (1.47–1.63)</i>: the ratio and its 10–90 % spread "
+        + (f"<h2>Why these speeds</h2><div class='meta'>Each speedup reads <i>ratio× (low–high)</i>: the ratio and its 10–90 % spread "
            f"from resampling this race's rounds.</div><div class='why'>{html.escape(why)}</div>" if why else "")
         + f"<h2>Race</h2>{legend_html()}<div class='cols'>{cols}</div>" + "".join(parts)
         + f"<script type='application/json' id='d3d-traces'>{data}</script></body></html>"

@@ -396,7 +396,8 @@ def engines_views(bundle) -> tuple:
     """The Benchmarks tab's engines section for ``bundle``: (text, table, figure) from its shipped engines run and
     per-engine benches (``service.engine_runs``)."""
     engines, benches = service.engine_runs(bundle)
-    return (engine_views.engines_text(engines, benches) + (("\n\n" + service.provenance(engines)) if engines else ""),
+    prov = service.provenance({**engines, "engine": "fp32, int4 and llama.cpp"}) if engines else ""
+    return (engine_views.engines_text(engines, benches) + (("\n\n" + prov) if prov else ""),
             engine_views.engines_table(engines), engine_views.speculation_by_engine_figure(benches, engines))
 
 
@@ -543,7 +544,7 @@ def build_demo() -> gr.Blocks:
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep: all the target's layers + adapters. Higher τ, but here each draft costs about "
                                                  "one target step: race both and compare.")
-                        engine = gr.Radio([("int4 (the GGUF's 4-bit blocks)", "int4"), ("fp32 (fast engine)", "fp32")],
+                        engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
                                           value=service.default_engine(), label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
                 with gr.Row():

@@ -123,7 +123,7 @@ def test_race_with_the_deep_drafter(server, page):
     page.locator("#status").get_by_text("Done", exact=False).wait_for(timeout=240_000)
     assert "d3d-deep" in page.locator("#status").inner_text()
     seq = page.locator("#col-d3d-seq").inner_text()
-    assert "30 layers" in seq and "adapters" in seq, seq
+    assert "30 drafter layers" in seq and "adapters" in seq, seq
     done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq")}
     assert done["ar"] == done["d3d-seq"] == "16", done
     _shot(page, "1b-race-deep")
