@@ -199,6 +199,9 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         try:
             info = service.bundle_summary(bundle)  # loads the bundle: once per process, outside any GPU window
             service.check_race_drafter(bundle, d3d_drafter, skip)
+            engine, why = service.resolve_engine(bundle, engine)
+            if why:
+                gr.Info(why)
         except (FileNotFoundError, ValueError, OSError) as e:
             gr.Warning(str(e))
             finished = True

@@ -165,6 +165,18 @@ def check_engine(engine: Optional[str]) -> str:
     return engine
 
 
+def resolve_engine(bundle_name: str, engine: Optional[str]) -> tuple:
+    """(the engine a race of this (loaded) bundle will run on, a note or ""): int4 where the target can run it, else
+    fp32 with the reason (a CPU whose int4 kernel fails its self-test, a target without 4-bit weights)."""
+    engine = check_engine(engine)
+    if engine == "int4":
+        t = get_bundle(bundle_name).target
+        why = t.int4_reason() if t.fast_reason() is None else t.fast_reason()
+        if why is not None:
+            return "fp32", f"int4 is not available here ({why}): racing on fp32"
+    return engine, ""
+
+
 @contextmanager
 def on_engine(b, engine: str):
     """Decodes of bundle ``b`` inside the block run on ``engine`` (fp32: the fast engine; int4: the GGUF's 4-bit
@@ -458,5 +470,6 @@ def calibration_size(bundle_name: str) -> int:
 
 __all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
-    "bundle_names", "app_bundle", "check_bundle", "preload", "check_race_drafter", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
+    "bundle_names", "app_bundle", "check_bundle", "preload", "default_engine", "check_engine", "resolve_engine", "engine_runs",
+    "check_race_drafter", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
 ]

@@ -148,3 +148,13 @@ def test_the_apps_default_engine(monkeypatch):
     assert service.check_engine(None) == "fp32"  # None: the default, here D3D_ENGINE=eager's
     monkeypatch.delenv("D3D_ENGINE")
     assert service.check_engine(None) == "int4"
+
+
+def test_a_host_without_int4_races_on_fp32_and_says_why(toy, monkeypatch):
+    from d3d_core import service
+
+    assert service.resolve_engine("toy", "int4") == ("int4", "")
+    assert service.resolve_engine("toy", "fp32") == ("fp32", "")
+    monkeypatch.setattr(type(toy.target), "int4_reason", lambda self: "the int4 kernel failed its self-test")
+    eng, why = service.resolve_engine("toy", "int4")
+    assert eng == "fp32" and "int4 is not available here (the int4 kernel failed its self-test)" in why
