@@ -165,13 +165,17 @@ def check_engine(engine: Optional[str]) -> str:
     return engine
 
 
+def _no_int4(target) -> Optional[str]:
+    """Why ``target`` cannot run the int4 engine here (no fast path at all, or no usable 4-bit weights), or None."""
+    return target.fast_reason() or target.int4_reason()
+
+
 def resolve_engine(bundle_name: str, engine: Optional[str]) -> tuple:
     """(the engine a race of this (loaded) bundle will run on, a note or ""): int4 where the target can run it, else
     fp32 with the reason (a CPU whose int4 kernel fails its self-test, a target without 4-bit weights)."""
     engine = check_engine(engine)
     if engine == "int4":
-        t = get_bundle(bundle_name).target
-        why = t.int4_reason() if t.fast_reason() is None else t.fast_reason()
+        why = _no_int4(get_bundle(bundle_name).target)
         if why is not None:
             return "fp32", f"int4 is not available here ({why}): racing on fp32"
     return engine, ""
@@ -186,8 +190,7 @@ def on_engine(b, engine: str):
         b.target.engine_request = "int4" if engine == "int4" else "fp32"
     try:
         if engine == "int4" and b.target.engine != "int4":
-            raise ValueError(f"the int4 engine cannot run bundle {b.name!r}: "
-                             f"{b.target.int4_reason() or b.target.fast_reason() or 'not available here'}; race it on fp32")
+            raise ValueError(f"the int4 engine cannot run bundle {b.name!r}: {_no_int4(b.target) or 'not available here'}; race it on fp32")
         yield
     finally:
         b.target.engine_request = old
