@@ -3,6 +3,7 @@
     python -m d3d_core.training.distill --bundle smollm2-135m --data-dir ../shared/datasets \\
         --max-new-tokens 256 --batch-size 24 --target-tokens 1000000
 
+Runs on the bundle's device (``--device``: CUDA when there is one); the prompts' ids are made there.
 Prompts come only from training files (gsm8k train, mbpp train ids 601-974, alpaca).
 Batched greedy generation (left padding), written as JSONL shards of token ids with the
 prompt boundary under ``$D3D_CACHE/distill/<bundle>/``. Resumable: prompts already in a
@@ -46,20 +47,27 @@ def read_examples(path: Path, limit=None) -> list:
     return out
 
 
+def default_device() -> str:
+    """Where distillation and training run unless told: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def done_ids(path: Path) -> set:
     return {e["id"] for e in read_examples(path)}
 
 
 @torch.inference_mode()
 def generate_batch(target, tok, prompts: list, max_new_tokens: int) -> list:
-    """Greedy responses for a batch of prompt id lists (left-padded)."""
+    """Greedy responses for a batch of prompt id lists (left-padded), generated on the target's device (the ids and the
+    attention mask are made there)."""
     model = target.model
     pad = 0
     L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
-    att = torch.zeros((len(prompts), L), dtype=torch.long)
+    dev = target.device
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long, device=dev)
+    att = torch.zeros((len(prompts), L), dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
+        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
         att[i, L - len(p):] = 1
     eos = sorted(tok.eos_ids)
     out = model.generate(
@@ -68,7 +76,7 @@ def generate_batch(target, tok, prompts: list, max_new_tokens: int) -> list:
     )
     res = []
     for i in range(len(prompts)):
-        r = out[i, L:].tolist()
+        r = out[i, L:].tolist()  # one copy to the host per prompt
         finish = "length"
         for j, t in enumerate(r):
             if t in tok.eos_ids:
@@ -90,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default=None, help="where the target generates (default: cuda when there is one, else cpu)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else distill_dir(args.bundle)
     out.mkdir(parents=True, exist_ok=True)
-    bundle = get_bundle(args.bundle)
+    bundle = get_bundle(args.bundle, args.device or default_device())
     tok = bundle.tokenizer
     items = load_training_prompts(args.data_dir)
     random.Random(args.seed).shuffle(items)

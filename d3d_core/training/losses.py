@@ -93,7 +93,7 @@ class HeadLoss:
         x = drafter.norm(h)  # (N, H)
         W = drafter.shared.lm_head.weight  # (V, H), frozen
         rows = self.rows_for(labels, soft).to(W.device)
-        z = x @ (W if self.full else W[rows]).to(x.dtype).T  # (N, R) exact logits
+        z = x @ _like(W if self.full else W[rows], x).T  # (N, R) exact logits
         lse = torch.logsumexp(z.float(), dim=-1)  # (N,)
         n_other = self.V - len(rows)
         if n_other > 0 and self.other_samples > 0:
@@ -102,7 +102,7 @@ class HeadLoss:
             others = mask.nonzero().squeeze(1)
             m = min(self.other_samples, n_other)
             pick = others[torch.randperm(n_other, generator=generator)[:m]].to(W.device)
-            zo = (x @ W[pick].to(x.dtype).T).float()  # (N, m)
+            zo = (x @ _like(W[pick], x).T).float()  # (N, m)
             lse_other = torch.logsumexp(zo, dim=-1) + torch.log(torch.tensor(n_other / m))
             lse = torch.logaddexp(lse, lse_other)
         col = torch.full((self.V,), -1, dtype=torch.long)
@@ -117,6 +117,12 @@ class HeadLoss:
             logq = zf.gather(1, sidx) - lse[:, None]
             soft_ce = torch.where(soft.valid.to(z.device), -(soft.probs.to(z.device) * logq).sum(-1), torch.zeros_like(lse))
         return hard, soft_ce
+
+
+def _like(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``w`` in ``x``'s dtype for ``x @ w.T`` — unless autocast is on, which casts both itself: a bf16 head is then used
+    as stored instead of being copied to fp32 on every call (a 2.5 GB copy for Qwen3-8B's head)."""
+    return w if torch.is_autocast_enabled(x.device.type) else w.to(x.dtype)
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

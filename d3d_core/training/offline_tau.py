@@ -55,7 +55,7 @@ def d3d_block_logits(drafter: D3DDrafter, ids: list, anchors: list, B: int) -> t
 def target_features(drafter: DFlashDrafter, target, ids: list) -> torch.Tensor:
     """(1, T, n*H) hidden states of the drafter's target layers for every position."""
     cache = target.new_cache()
-    return target.forward(cache, torch.tensor(ids), 1, tuple(drafter.cfg.target_layer_ids)).feats
+    return target.forward(cache, torch.tensor(ids, dtype=torch.long, device=target.device), 1, tuple(drafter.cfg.target_layer_ids)).feats
 
 
 @torch.no_grad()

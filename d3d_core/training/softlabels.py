@@ -22,7 +22,7 @@ from .losses import SoftTargets
 
 def target_topk(target, ids: list, k: int) -> tuple:
     """(ids (T-1, k) int32, logits (T-1, k) fp16): row t is the target's top-k for token t + 1."""
-    logits = target.forward(target.new_cache(), torch.tensor(ids, dtype=torch.long), len(ids)).logits  # (T, V)
+    logits = target.forward(target.new_cache(), torch.tensor(ids, dtype=torch.long, device=target.device), len(ids)).logits  # (T, V)
     val, idx = logits[:-1].float().topk(k, dim=-1)
     return idx.to(torch.int32).cpu().clone(), val.to(torch.float16).cpu().clone()  # plain tensors, not inference ones
 

@@ -14,11 +14,18 @@ written as safetensors (+ JSON) to ``--out``; rerunning the same command resumes
 ``--init`` fine-tunes a trained drafter (e.g. the shipped one on newly distilled data) instead.
 A held-out evaluation, log or report that fails is named on stderr (``rawfirst``), the checkpoint
 is still written and the command exits 1.
+
+Training runs on the bundle's device (the target's: ``--device``, CUDA when there is one). The drafter's own
+parameters and the AdamW moments are fp32 (master weights) whatever the target's dtype; on CUDA the forwards run
+under bf16 autocast (``--amp``) and the sequences of one optimizer step go through the drafter in one packed
+forward (``--pack``). On a CPU both default to off: fp32 throughout, one sequence at a time, the same numbers as
+before either existed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -34,8 +41,8 @@ import torch.nn.functional as F
 from ..measure.rawfirst import Steps
 from ..models import fastops
 from ..models.bundles import BUNDLES, get_bundle, init_drafter
-from ..models.drafters import D3DDrafter, DFlashDrafter, build_drafter
-from .distill import distill_dir, read_examples
+from ..models.drafters import NEG_INF, D3DDrafter, DFlashDrafter, build_adapter_drafter, build_drafter
+from .distill import default_device, distill_dir, read_examples
 from .losses import HeadLoss, block_position_weights, block_targets, weighted_mean
 from .offline_tau import CalibSeq, dflash_anchor_logits, load_any_drafter, offline_tau, target_features
 from .softlabels import SoftLabelCache, soft_rows
@@ -70,6 +77,54 @@ class TrainConfig:
     first_draft: str = ""  # "mask" | "anchor": the slot draft 1 is read (and trained) at; "" keeps the drafter's own (mask when fresh)
     anchor_attention: str = ""  # "block" | "causal" (DrafterConfig.anchor_attention); "" keeps the drafter's own (block when fresh)
     adapter_rank: int = 0  # fresh D3D drafter only: > 0 = frozen target layers + rank-r MASK-slot adapters (DrafterConfig.adapter_rank)
+    amp: str = "auto"  # "auto": bf16 autocast on CUDA, none elsewhere | "bf16": always | "off": never (parameters stay fp32 unless "off" on a bf16 target)
+    pack: str = "auto"  # D3D: the step's sequences in one packed forward? "auto": on CUDA | "on" | "off" (one forward per sequence)
+
+    def __post_init__(self):
+        for f, ok in (("amp", AMP_MODES), ("pack", PACK_MODES)):
+            if getattr(self, f) not in ok:
+                raise ValueError(f"{f} must be one of {', '.join(ok)} (got {getattr(self, f)!r})")
+
+
+AMP_MODES = ("auto", "bf16", "off")
+PACK_MODES = ("auto", "on", "off")
+
+
+def amp_dtype(cfg: TrainConfig, device) -> "torch.dtype | None":
+    """The autocast dtype of training's forwards on ``device``: bf16 on CUDA ("auto"), or always ("bf16"); None = no
+    autocast (a CPU by default: fp32 as stored, the numbers every earlier run gave)."""
+    if cfg.amp == "bf16" or (cfg.amp == "auto" and torch.device(device).type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def autocast(cfg: TrainConfig, device):
+    """The context training's forwards (and its held-out evaluation) run in: ``amp_dtype``'s autocast, or nothing."""
+    dt = amp_dtype(cfg, device)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dt) if dt is not None else contextlib.nullcontext()
+
+
+def packs(cfg: TrainConfig, device) -> bool:
+    """Whether a step's D3D sequences go through the drafter in one packed forward (``packed_hidden``)."""
+    return cfg.pack == "on" or (cfg.pack == "auto" and torch.device(device).type == "cuda")
+
+
+def master_dtype(cfg: TrainConfig, target_dtype, device) -> torch.dtype:
+    """The dtype of the trained parameters and their optimizer state: fp32 (master weights), except without autocast on
+    a target of lower precision (``--amp off`` on a bf16 target), whose forwards need weights of the target's dtype."""
+    return torch.float32 if target_dtype == torch.float32 or amp_dtype(cfg, device) is not None else target_dtype
+
+
+def for_training(drafter, device, dtype=torch.float32):
+    """``drafter`` on ``device`` with its own (trained) parameters in ``dtype`` (fp32: master weights). Whatever it
+    borrows from the target (an adapter drafter's base, the shared embedding and head) keeps the target's dtype and
+    storage — a base already on ``device`` is not copied; autocast reconciles the dtypes in the forward."""
+    drafter.to(device=device)  # tensors already there (an adapter drafter's shared base) stay the target's
+    with torch.no_grad():
+        for p in drafter.own_parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return drafter
 
 
 PRESETS = {
@@ -86,7 +141,7 @@ def fresh_drafter(bundle, cfg: TrainConfig):
     reads draft 1 at a causal anchor slot starts out as the target's own next-token prediction there."""
     d = init_drafter(cfg.kind, bundle.target, BUNDLES[bundle.name], num_layers=cfg.layers, block_size=cfg.block_size, seed=cfg.seed,
                      adapter_rank=cfg.adapter_rank)
-    return with_rules(d, cfg)
+    return with_rules(d.to(device=bundle.target.device), cfg)  # built on the CPU (in the target's dtype): to the target's device
 
 
 def with_rules(d, cfg: TrainConfig):
@@ -158,15 +213,18 @@ def weighted_block_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, ids: l
 
 
 def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, head: HeadLoss,
-                    topk=None, generator=None) -> tuple:
+                    topk=None, generator=None, hidden=None) -> tuple:
     """One packed forward over the context and every block. Returns (h_ctx (T, H), block hidden
     states (nb, B, H), Σ w·CE, Σ w, Σ w·soft CE or None) — sums, not means, so a dense pass over many anchors
-    equals the sum of one pass per anchor (tested)."""
+    equals the sum of one pass per anchor (tested). ``hidden``: this sequence's (h_ctx, h_blocks) from a forward
+    over several sequences (``packed_hidden``) instead of its own."""
     ids = seq.ids
     B = cfg.block_size
     ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
     blocks = [(ids[p], p) for p in anchors]
-    if drafter.frozen_base:
+    if hidden is not None:
+        h_ctx, hb = hidden
+    elif drafter.frozen_base:
         # nothing trainable acts on the context rows: run them once without autograd, then backpropagate through
         # the blocks alone, each over its prefix of that cache (the same values as the packed forward; tested)
         cache = drafter.new_cache()
@@ -191,17 +249,18 @@ def d3d_block_terms(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: Trai
 
 @fastops.exact  # the teacher runs under no_grad: keep it fp32 like the student
 def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig, rng: random.Random, teacher=None,
-             head: HeadLoss | None = None, topk=None):
+             head: HeadLoss | None = None, topk=None, hidden=None):
     """Weighted block CE (positions 1..B, B = lookahead) + λ · next-token CE on the context.
     ``head``: the LM-head loss (default: full head); ``topk``: the target's soft labels for this
     sequence (``softlabels``), mixed into the block term with weight ``cfg.soft_alpha``;
-    with a ``teacher`` and ``cfg.kd_alpha`` = α the block term is (1-α)·CE + α·KL(teacher ‖ drafter)."""
+    with a ``teacher`` and ``cfg.kd_alpha`` = α the block term is (1-α)·CE + α·KL(teacher ‖ drafter).
+    ``hidden``: the sequence's hidden states from a packed forward over several (``packed_hidden``)."""
     ids = seq.ids
     T, B = len(ids), cfg.block_size
     head = head or HeadLoss(drafter.cfg.arch.vocab_size)
     # only a sampling head draws from rng: the full-head recipe keeps the random stream it always had
     gen = None if head.full else torch.Generator().manual_seed(rng.getrandbits(62))
-    h_ctx, hb, ce_sum, w_sum, soft_sum = d3d_block_terms(drafter, seq, anchors, cfg, head, topk, gen)
+    h_ctx, hb, ce_sum, w_sum, soft_sum = d3d_block_terms(drafter, seq, anchors, cfg, head, topk, gen, hidden)
     block = ce_sum / w_sum.clamp(min=1e-6)
     if soft_sum is not None and cfg.soft_alpha > 0:
         block = (1 - cfg.soft_alpha) * block + cfg.soft_alpha * soft_sum / w_sum.clamp(min=1e-6)
@@ -222,6 +281,46 @@ def d3d_loss(drafter: D3DDrafter, seq: CalibSeq, anchors: list, cfg: TrainConfig
             ce, _ = head(drafter, h_ctx[pos], torch.tensor([ids[t + 1] for t in pos]), None, gen)
             ar = ce.float().cpu().mean()
     return block + cfg.ar_lambda * ar, float(block.detach()), float(ar.detach())
+
+
+def packed_hidden(drafter: D3DDrafter, items: list, block_size: int) -> list:
+    """Several sequences through the drafter in **one** forward: ``items`` = [(seq, anchors)], each laid out as
+    ``forward_packed`` lays out one (its context, causal, then its blocks, from a fresh cache) and placed side by side
+    along the rows, every sequence at its own positions and masked from the others (a block-diagonal mask). Returns
+    [(h_ctx (T, H), h_blocks (nb, B+1, H))] per item — the values of one ``forward_packed`` per sequence, up to the
+    rounding of the larger matrix products (tested). On a GPU one larger forward uses it far better than several
+    small ones; an adapter drafter pays the autograd of its (frozen) context rows here, which one-at-a-time avoids."""
+    L = block_size + 1
+    xs, poss, masks, rows, sizes = [], [], [], [], []
+    for seq, anchors in items:
+        ctx = torch.tensor(seq.ids, dtype=torch.long, device=drafter.device)
+        x, pos, mask = drafter.build_inputs(0, ctx, [(seq.ids[p], p) for p in anchors], L)
+        xs.append(x[0])
+        poss.append(pos)
+        masks.append(mask[0, 0])  # (N, N) additive: what may attend to what inside this sequence
+        r = torch.zeros(len(ctx) + len(anchors) * L, 1)
+        for b in range(len(anchors)):
+            r[len(ctx) + b * L + 1 : len(ctx) + (b + 1) * L] = 1  # the adapters act on MASK slots (forward_packed)
+        rows.append(r)
+        sizes.append((len(ctx), len(anchors)))
+    N = sum(m.shape[0] for m in masks)
+    mask = torch.full((N, N), NEG_INF, dtype=masks[0].dtype, device=drafter.device)  # nothing across sequences
+    o = 0
+    for m in masks:
+        mask[o : o + m.shape[0], o : o + m.shape[0]] = m
+        o += m.shape[0]
+    mask = mask[None, None]
+    x = torch.cat(xs)[None]
+    pos = torch.cat(poss)
+    cos, sin = drafter.shared.rope(pos, x)
+    rw = torch.cat(rows)[None].to(device=x.device, dtype=x.dtype) if drafter.frozen_base else None
+    for i in drafter.active_layers():
+        x, _ = drafter.layers[i](x, cos, sin, None, mask, rw)
+    h, out, o = x[0], [], 0
+    for C, nb in sizes:
+        out.append((h[o : o + C], h[o + C : o + C + nb * L].view(nb, L, h.shape[-1])))
+        o += C + nb * L
+    return out
 
 
 def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cfg: TrainConfig,
@@ -261,8 +360,8 @@ def save_checkpoint(out: Path, drafter, opt, step: int, cfg: TrainConfig, histor
             st = opt.state.get(p)
             if st:
                 n = names[id(p)]
-                moments[f"{n}.exp_avg"] = st["exp_avg"].contiguous()
-                moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+                moments[f"{n}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+                moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
                 steps[n] = float(st["step"])
     save_file(moments, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
@@ -290,7 +389,9 @@ def load_checkpoint(out: Path, drafter, opt) -> tuple:
     params = dict(drafter.named_parameters())
     for n, s in st["adam_steps"].items():
         p = params[n]
-        opt.state[p] = {"step": torch.tensor(s), "exp_avg": moments[f"{n}.exp_avg"], "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
+        # the moments go back where (and in the dtype) the parameter lives: fp32 master weights, on the training device
+        opt.state[p] = {"step": torch.tensor(s), "exp_avg": moments[f"{n}.exp_avg"].to(p.device, p.dtype),
+                        "exp_avg_sq": moments[f"{n}.exp_avg_sq"].to(p.device, p.dtype)}
     return st["step"], st.get("history", []), st
 
 
@@ -327,14 +428,19 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
     guard = guard if guard is not None else Steps(raw=out / "ckpt")
     n_failed = len(guard.failed)
     torch.manual_seed(cfg.seed)
+    device = bundle.target.device  # the bundle's device: the drafter, its inputs and its optimizer state live there
+    mdt = master_dtype(cfg, bundle.target.dtype, device)
+    amp = lambda: autocast(cfg, device)  # noqa: E731
     if init is not None:
         if init.cfg.kind != cfg.kind:
             raise ValueError(f"cannot fine-tune a {init.cfg.kind} drafter as {cfg.kind}")
-        drafter = build_drafter(init.cfg, bundle.target.shared).to(device=bundle.target.device, dtype=bundle.target.dtype)
-        drafter.load_state_dict({k: v.to(bundle.target.dtype) for k, v in init.state_dict().items()})
+        # an adapter drafter's base is the target's own layers, shared (no copy); its adapters and the rest are copied
+        drafter = (build_adapter_drafter if init.cfg.adapter_rank else build_drafter)(init.cfg, bundle.target.shared)
+        drafter = for_training(drafter, device, mdt)
+        drafter.load_state_dict(init.state_dict())  # copied into the training dtype
         drafter = with_rules(drafter, cfg)
     else:
-        drafter = fresh_drafter(bundle, cfg)
+        drafter = for_training(fresh_drafter(bundle, cfg), device, mdt)
     if teacher is not None:
         if cfg.kind != "d3d" or teacher.cfg.kind != "d3d":
             raise ValueError("distillation from a teacher drafter is implemented for D3D drafters")
@@ -363,7 +469,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
 
     def evaluate() -> float:
         drafter.eval()
-        with torch.no_grad():
+        with torch.no_grad(), amp():
             t = offline_tau(drafter, held, B=cfg.block_size, stride=4, target=bundle.target)
         drafter.train()
         return t
@@ -383,22 +489,45 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
         tot = bl = arl = 0.0
-        for _ in range(cfg.accum):
-            ex = rng.choice(train_ex)
-            seq = to_seq(ex, cfg.max_len)
-            anchors = sample_anchors(seq, cfg.anchors, rng)
-            if not anchors:
-                continue
-            if cfg.kind == "d3d":
-                topk = soft.get(ex["id"], seq.ids) if soft is not None else None
-                loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk)
-            else:
-                loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg, feat_cache, ex["id"])
-            (loss / cfg.accum).backward()
-            tot += float(loss.detach()) / cfg.accum
-            bl += b / cfg.accum
-            arl += a / cfg.accum
-            tokens_seen += len(anchors) * cfg.block_size
+        if cfg.kind == "d3d" and packs(cfg, device):  # the step's sequences in one forward, one backward
+            batch = []
+            for _ in range(cfg.accum):
+                ex = rng.choice(train_ex)
+                seq = to_seq(ex, cfg.max_len)
+                anchors = sample_anchors(seq, cfg.anchors, rng)
+                if anchors:
+                    batch.append((ex, seq, anchors))
+            if batch:
+                total = 0.0
+                with amp():
+                    hidden = packed_hidden(drafter, [(s, a) for _, s, a in batch], cfg.block_size)
+                    for (ex, seq, anchors), hs in zip(batch, hidden):
+                        topk = soft.get(ex["id"], seq.ids) if soft is not None else None
+                        loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk, hidden=hs)
+                        total = total + loss / cfg.accum
+                        tot += float(loss.detach()) / cfg.accum
+                        bl += b / cfg.accum
+                        arl += a / cfg.accum
+                        tokens_seen += len(anchors) * cfg.block_size
+                total.backward()
+        else:
+            for _ in range(cfg.accum):
+                ex = rng.choice(train_ex)
+                seq = to_seq(ex, cfg.max_len)
+                anchors = sample_anchors(seq, cfg.anchors, rng)
+                if not anchors:
+                    continue
+                with amp():  # the forward only: backward runs in the dtypes autocast chose
+                    if cfg.kind == "d3d":
+                        topk = soft.get(ex["id"], seq.ids) if soft is not None else None
+                        loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk)
+                    else:
+                        loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg, feat_cache, ex["id"])
+                (loss / cfg.accum).backward()
+                tot += float(loss.detach()) / cfg.accum
+                bl += b / cfg.accum
+                arl += a / cfg.accum
+                tokens_seen += len(anchors) * cfg.block_size
         torch.nn.utils.clip_grad_norm_(own, 1.0)
         opt.step()
         loss_ema = tot if loss_ema is None else 0.95 * loss_ema + 0.05 * tot
@@ -454,6 +583,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="distill directory (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default=None, help="where the target, the drafter and training run (default: cuda when there is one, else cpu)")
     ap.add_argument("--init", default=None,
                     help="fine-tune this saved drafter (directory, or a training run) instead of starting from target layers")
     ap.add_argument("--stop-after", type=int, default=None,
@@ -463,10 +593,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.preset] if args.preset else TrainConfig()
-    cfg = replace(cfg, **{f: getattr(args, f) for f in asdict(cfg) if getattr(args, f) is not None})
+    try:  # TrainConfig checks amp / pack
+        cfg = replace(cfg, **{f: getattr(args, f) for f in asdict(cfg) if getattr(args, f) is not None})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    bundle = get_bundle(args.bundle)
+    bundle = get_bundle(args.bundle, args.device or default_device())
     data = Path(args.data) if args.data else distill_dir(args.bundle)
     examples = read_examples(data)
     if not examples:
