@@ -436,7 +436,7 @@ def project_speedups(profile, B, tau_scale, hit, H, vx, dx, px):
     src = (f"**{p.name}** — source: {p.source}. Assumptions: {p.assumptions}. T_step = {p.t_step_ms:.2f} ms. "
            f"τ per mode, as measured: {where}; the slider scales each mode's own τ (capped to [1, B]). These τ come from "
            "this bundle's drafters, whose sizes differ (DFlash 2 drafter layers, D3D 8): a drafter-size confound, not only "
-           "a difference of method.")
+           "a difference of method." + service.gpu_profile_note())
     return figures.projection_figure(rows, profile, scale, hit, B, H), src
 
 
@@ -645,7 +645,9 @@ def build_demo() -> gr.Blocks:
                             "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
                             "not measurements; each cost profile states its source and assumptions.")
                 with gr.Row():
-                    pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1], label="Cost profile")
+                    pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1],
+                                             label="Cost profile (“measured”: timed on that machine, a GPU by scripts/gpu_check.py; "
+                                                   "“derived”: assumed from datasheets)")
                     m_tau, m_hit, m_B = service.measured_point(home)
                     pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
                     pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")

@@ -20,7 +20,7 @@ from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_j
 from .decoding.warm import warm_rows, warm_shapes
 from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
 from .measure.clock import retime_all
-from .measure.latency import PRESETS, async_profile, per_token_ms
+from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, SHARED_ADAPTER_INFO, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafters import DrafterConfig
@@ -349,9 +349,10 @@ MEASURED_CLOCK = "measured here"
 
 
 def clock_names() -> list:
-    """The Timeline's clocks: the run as measured, or re-timed under a latency-model profile."""
+    """The Timeline's clocks: the run as measured, or re-timed under a latency-model profile — the GPU ones, measured
+    (``scripts/gpu_check.py``, docs/gpu/) before assumed; not the measured CPU profile, which "measured here" already is."""
 
-    return [MEASURED_CLOCK] + [n for n in PRESETS if "measured" not in n]
+    return [MEASURED_CLOCK] + [n for n, p in PRESETS.items() if not p.measured or p.extra.get("gpu")]
 
 
 def retimed(traces: list, clock: str) -> tuple:
@@ -366,7 +367,7 @@ def retimed(traces: list, clock: str) -> tuple:
 
 def clock_assumptions(clock: str) -> str:
     if clock in (None, "", MEASURED_CLOCK):
-        return "Span lengths as measured on this machine during the run (synchronised clock of both lanes)."
+        return "Span lengths as measured on this machine during the run (synchronised clock of both lanes)." + gpu_profile_note()
     p = PRESETS.get(clock)
     if p is None:
         return ""
@@ -411,7 +412,15 @@ def provenance(result: Optional[dict]) -> str:
 
 
 def cost_profiles() -> dict:
+    """The latency model's profiles, in the order offered: this CPU's (measured), each GPU's measured by
+    ``scripts/gpu_check.py`` (docs/gpu/*.json, named after the GPU), then the assumed GPU-scale ones."""
     return dict(PRESETS)
+
+
+def gpu_profile_note() -> str:
+    """Why a GPU check's JSON under docs/gpu/ is not offered as a measured profile (a dry run, a CPU run, a malformed
+    file), one sentence each; "" when nothing was refused."""
+    return "".join(f" Not offered as a GPU profile: {n}." for n in GPU_PROFILE_NOTES)
 
 
 def project(profile_name: str, B: int, tau: float, hit_rate: float, H: int, verify_x: float = 1.0, draft_x: float = 1.0,
@@ -471,7 +480,7 @@ def calibration_size(bundle_name: str) -> int:
     return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
 
 
-__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "project",
+__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "gpu_profile_note", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
     "bundle_names", "app_bundle", "check_bundle", "preload", "default_engine", "check_engine", "resolve_engine", "engine_runs",
     "check_race_drafter", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",

@@ -531,6 +531,7 @@ def run_check(out: Path, dry_run: bool, device: str) -> int:
     if dry_run:  # toy shapes need no second thread, and a busy two-core machine stalls a parallel region on its other one
         torch.set_num_threads(1)
     rep = Report(out, {"profile": "dry-run (toy shapes on the CPU: not GPU figures)" if dry_run else "gpu",
+                       "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # names the measured profile (latency)
                        "device": device, "dtype": str(dtype), "pydantic": pyd, "taus": list(TAUS), "hit_rates": list(HIT_RATES),
                        "shapes": {"target": prof["target"], "standalone_drafter": prof["drafter"], "vocab": prof["vocab"]},
                        "oracle": []})

@@ -12,13 +12,18 @@ measures them (``concurrent_ms``); a profile without them uses 1.
 Each round commits τ tokens on average; a sequential round pays draft + verify; an async round
 pays the longer of verify and the packed pass, plus a synchronous draft after a miss.
 Speedup = T_step / per-token time. Cost profiles are editable presets: one measured on this
-project's CPU (the bench's ``--cost-probe``) and GPU-scale ones derived from public hardware
-figures, each with its source and assumptions. Projections are model-based, not measurements.
+project's CPU (the shipped cost breakdown), one **measured** per GPU that ran ``scripts/gpu_check.py``
+(its JSON committed under ``docs/gpu/``, named after that GPU: ``measured_gpu_profiles``) and GPU-scale
+ones **assumed** from public hardware figures, each with its source and assumptions. Projections are
+model-based, not measurements.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 from ..decoding.plan import plan_label, plan_of
@@ -219,7 +224,7 @@ def _gpu_profile(name, params_b, layers, hidden, vocab, bw_tbs, overhead_ms, d3d
     dfl = {B: dflash_layers * layer_ms * 1.1 + head_ms + overhead_ms * 0.5 for B in (2, 4, 8, 16)}
     packed = {H: d3d[8] * (1.0 + 0.02 * H) for H in (1, 2, 4, 8, 16, 32)}
     return CostProfile(
-        name=name, source="derived: HBM bandwidth datasheets + parameter counts (not measured)",
+        name=name, source="assumed, not measured: derived from HBM bandwidth datasheets + parameter counts",
         assumptions=(f"bf16 weights read once per forward at {bw_tbs} TB/s, +10 % for KV/activations, "
                      f"{overhead_ms} ms launch overhead per forward (CUDA graphs would cut it); verify of B tokens "
                      f"costs 1–8 % more than a step up to B = 16; drafters: D3D {d3d_layers} target-shaped layers, "
@@ -281,6 +286,143 @@ def profile_from_breakdown(costs: dict, name: Optional[str] = None) -> Optional[
     )
 
 
+# ----------------------------------------------------------------------------- measured GPU profiles (scripts/gpu_check.py)
+
+GPU_DOCS = Path(__file__).resolve().parents[2] / "docs" / "gpu"  # where a GPU check's JSON is committed
+DFLASH_LAYERS_ESTIMATE = 5  # the public Qwen3-8B DFlash drafter's depth, as the assumed profiles take it
+
+
+def _layer_params(shape: dict) -> int:
+    """Weights of one decoder layer of a gpu_check ``shapes`` entry (attention + MLP; norms are negligible)."""
+    h, heads, kv = int(shape["hidden_size"]), int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
+    hd = int(shape.get("head_dim") or h // heads)
+    return h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * int(shape["intermediate_size"])
+
+
+def _dflash_estimate(step_ms: float, shapes: dict) -> tuple:
+    """(ms, how) of a DFlash draft, which the check does not time: the measured step scaled by the weight bytes a
+    forward reads (decode at batch 1 is bandwidth bound): DFLASH_LAYERS_ESTIMATE target-shaped layers + the feature
+    projection + the LM head, over the target's layers + its head."""
+    t, V = shapes["target"], int(shapes["vocab"])
+    layer, head, L = _layer_params(t), V * int(t["hidden_size"]), int(t["num_hidden_layers"])
+    n = min(DFLASH_LAYERS_ESTIMATE, L)
+    fc = n * int(t["hidden_size"]) ** 2
+    share = (n * layer + fc + head) / (L * layer + head)
+    return step_ms * share, (f"the DFlash draft is not timed by the check: estimated as {share:.2f} × the measured step "
+                             f"({n} target-shaped layers + feature projection + LM head over the target's {L} layers + head, weight bytes)")
+
+
+def gpu_of(data: dict) -> tuple:
+    """(GPU name or None, why not a GPU measurement or None) of a gpu_check JSON object. A dry run (toy shapes:
+    ``profile`` "dry-run …") or a run on the CPU is refused, whatever else it says."""
+    kind = str(data.get("profile") or "")
+    dev = str(data.get("device") or "").strip()
+    gpu = (data.get("versions") or {}).get("gpu") if isinstance(data.get("versions"), dict) else None
+    if kind.startswith("dry-run"):
+        where = "the CPU" if dev.lower().startswith("cpu") else (dev or "an unrecorded device")
+        return None, f"a dry run of scripts/gpu_check.py (toy shapes on {where}): its timings are not GPU figures"
+    if not dev or dev.lower().startswith("cpu"):
+        return None, f"it ran on {'the CPU' if dev else 'an unrecorded device'}, not on a GPU"
+    if kind != "gpu":
+        return None, f"its profile {kind or '(none)'!r} is not the GPU check's ('gpu')"
+    if gpu:
+        return str(gpu), None
+    return (dev if not dev.lower().startswith("cuda") else "an unrecorded CUDA GPU"), None
+
+
+def profile_from_gpu_check(data: dict, where: str = "gpu_check.json", date: str = "", drafter: str = "standalone") -> CostProfile:
+    """A **measured** GPU profile from ``python scripts/gpu_check.py`` output, named after the GPU it ran on
+    (e.g. "NVIDIA H100 80GB HBM3 (measured, gpu_check 2026-12-06)"). ``drafter``: whose draft and packed pass price the
+    D3D modes ("standalone": the Qwen3-1.7B-shaped drafter; "adapter": the shared-weight one). ValueError, one sentence
+    naming ``where``, for a dry run, a CPU run, or a file without the cost table."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not a gpu_check result (a JSON object expected)")
+    gpu, refused = gpu_of(data)
+    if refused:
+        raise ValueError(f"{where} is not offered as a GPU profile: {refused}")
+    costs = data.get("costs")
+    if not isinstance(costs, dict) or not costs.get("verify_ms"):
+        failed = [f.get("step") for f in data.get("failed_steps") or [] if isinstance(f, dict)]
+        why = f" (failed steps: {', '.join(map(str, failed))})" if failed else ""
+        raise ValueError(f"{where} has no cost table (costs.verify_ms): the check stopped before measuring costs{why}")
+    try:
+        verify = {int(k): float(v) for k, v in costs["verify_ms"].items()}
+        step = float(costs.get("step_ms") or verify[1])
+        B = int(costs.get("B", 8))
+        d = (costs.get("drafters") or {})[drafter]
+        draft = float(d["draft_ms"])
+        packed = {int(k): float(v) for k, v in d["packed_ms"].items()}
+        conc = {int(h): c for h, c in (d.get("concurrent_ms") or {}).items() if isinstance(c, dict) and "verify" in c and "packed" in c}
+        contention_ = {h: {"verify": max(1.0, float(c["verify"]) / verify[B]), "packed": max(1.0, float(c["packed"]) / packed[h])}
+                       for h, c in conc.items() if B in verify and h in packed}
+        shapes = data.get("shapes") or {}
+        if shapes.get("target") and shapes.get("vocab"):
+            dflash, dflash_how = _dflash_estimate(step, shapes)
+        else:
+            dflash, dflash_how = draft, "the DFlash draft is not timed by the check and the file has no shapes: the D3D draft stands in"
+        t = shapes.get("target") or {}
+        sd = shapes.get("standalone_drafter") or {}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where} is a malformed gpu_check result: {type(e).__name__} {e} in its cost table") from None
+    v = data.get("versions") if isinstance(data.get("versions"), dict) else {}
+    date = str(data.get("created_utc") or "")[:10] or date or "undated"
+    short = "" if data.get("done") else "; the run was cut short (no 'done'): only what it measured is used"
+    shape = (f"a random-weight target of {t.get('num_hidden_layers', '?')} layers, hidden {t.get('hidden_size', '?')} "
+             f"(Qwen3-8B's shape on the GPU check) in {data.get('dtype', '?')}")
+    who = (f"the standalone D3D drafter ({sd.get('num_hidden_layers', '?')} layers, hidden {sd.get('hidden_size', '?')})"
+           if drafter == "standalone" else f"the {drafter} D3D drafter")
+    return CostProfile(
+        name=f"{gpu} (measured, gpu_check {date})",
+        source=(f"measured: python scripts/gpu_check.py on {gpu} (torch {v.get('torch', '?')}, CUDA {v.get('cuda', '?')}), "
+                f"{where}; CUDA-synchronised medians of {costs.get('repeats', '?')} forwards"),
+        assumptions=(f"{shape}, {costs.get('ctx_len', '?')}-token context; D3D modes priced with {who}, whose draft was timed at "
+                     f"B = {B} and stands for every B; lane contention from verify(B) ‖ packed(H) on two CUDA streams (events); "
+                     f"{dflash_how}{short}"),
+        t_step_ms=step, t_verify_ms=verify,
+        t_draft_d3d_ms={b: draft for b in sorted({2, 4, 8, 16, B})}, t_draft_dflash_ms={b: dflash for b in sorted({2, 4, 8, 16, B})},
+        t_packed_ms=packed, packed_block=B, measured=True,
+        extra={"gpu": gpu, "gpu_check": where, "drafter": d.get("describe", drafter), "contention": contention_,
+               "async_beats_seq": data.get("async_beats_seq") or []},
+    )
+
+
+def load_gpu_check(path, drafter: str = "standalone") -> CostProfile:
+    """:func:`profile_from_gpu_check` of a JSON file; ValueError, one sentence, when it cannot be read or used."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path.name}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path.name} is not valid JSON ({e})") from None
+    try:
+        date = time.strftime("%Y-%m-%d", time.gmtime(path.stat().st_mtime))
+    except OSError:
+        date = ""
+    return profile_from_gpu_check(data, where=path.name, date=date, drafter=drafter)
+
+
+def measured_gpu_profiles(folder=None) -> tuple:
+    """({name: measured GPU profile}, [why a file was not offered]) for every ``*.json`` under ``folder``
+    (default ``docs/gpu/``): each GPU check's JSON becomes a profile; a dry run, a CPU run or a malformed file is
+    left out with one sentence, never a traceback."""
+    folder = Path(folder) if folder is not None else GPU_DOCS
+    out, notes = {}, []
+    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            p = load_gpu_check(f)
+        except ValueError as e:
+            notes.append(str(e))
+            continue
+        if p.name in out:  # two checks on the same GPU on the same day: the file tells them apart
+            p = replace(p, name=f"{p.name[:-1]}, {f.stem})")
+        out[p.name] = p
+    return out, notes
+
+
+GPU_MEASURED, GPU_PROFILE_NOTES = measured_gpu_profiles()
+
+
 def _shipped_cpu_profile() -> dict:
     """The bundled model's measured CPU profile, read from the shipped cost breakdown (so refreshing
     that file refreshes the preset); empty when the file is absent."""
@@ -290,6 +432,7 @@ def _shipped_cpu_profile() -> dict:
 
 PRESETS = {
     **_shipped_cpu_profile(),
+    **GPU_MEASURED,  # measured on a GPU (docs/gpu/*.json), offered before the assumed ones
     "qwen3-8b on H200 (derived)": _gpu_profile("qwen3-8b on H200 (derived)", 8.2, 36, 4096, 151936, 4.8, 0.8),
     # the bundled 135M target on a GPU: weights are read in ~0.06 ms, so launch overhead dominates
     "smollm2-135m on H200 (derived)": _gpu_profile("smollm2-135m on H200 (derived)", 0.135, 30, 576, 49152, 4.8, 1.5),
@@ -425,6 +568,8 @@ def main(argv=None) -> int:
         print(table_text(rows, cols=["profile", "mode", "B", "H", "tau", "hit_rate", "projected_speedup"]))
         for name, p in PRESETS.items():
             print(f"\n{name}\n  source: {p.source}\n  assumptions: {p.assumptions}")
+        for note in GPU_PROFILE_NOTES:
+            print(f"\nnot offered: {note}")
     return steps.exit_code()
 
 
