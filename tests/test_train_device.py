@@ -76,9 +76,9 @@ def test_training_a_bf16_target_keeps_the_base_shared_and_the_trained_weights_fp
     assert master_dtype(_cfg(), torch.bfloat16, "cuda") == torch.float32  # auto: autocast on CUDA, fp32 masters
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_bf16_training_runs_end_to_end_and_resumes_exactly(toy_bf16, examples, tmp_path, rank):
-    cfg = _cfg(amp="bf16", pack="on", adapter_rank=rank)
+@pytest.mark.parametrize("kind,rank", [("d3d", 0), ("d3d", 4), ("dflash", 0)])
+def test_bf16_training_runs_end_to_end_and_resumes_exactly(toy_bf16, examples, tmp_path, kind, rank):
+    cfg = _cfg(kind=kind, layers=1 if kind == "dflash" else 2, amp="bf16", pack="on", adapter_rank=rank)
     full = train(toy_bf16, examples, cfg, tmp_path / "full", progress=False)
     assert all(h["loss"] == h["loss"] and abs(h["loss"]) < 1e4 for h in full["history"][1:])  # finite
     train(toy_bf16, examples, cfg, tmp_path / "resumed", progress=False, stop_after=2)
@@ -107,6 +107,20 @@ def test_one_packed_forward_over_several_sequences_equals_one_forward_each(toy, 
         assert torch.allclose(one, packed, atol=1e-5)
 
 
+def test_one_dflash_pass_over_several_sequences_equals_one_pass_each(toy, examples):
+    from d3d_core.training.offline_tau import dflash_anchor_logits
+    from d3d_core.training.train import dflash_feats, dflash_loss, dflash_packed_logits
+
+    cfg = _cfg(kind="dflash", layers=1)
+    d = fresh_drafter(toy, cfg).train()
+    seqs = [to_seq(e, cfg.max_len) for e in examples[:3]]
+    items = [(dflash_feats(d, toy.target, s.ids), s.ids, sample_anchors(s, 4, random.Random(i))) for i, s in enumerate(seqs)]
+    for (feats, ids, a), s, lg in zip(items, seqs, dflash_packed_logits(d, items, cfg.block_size)):
+        one = dflash_anchor_logits(d, feats, ids, a, cfg.block_size).float()
+        assert lg.shape == one.shape and torch.allclose(lg, one, atol=1e-4)
+        assert torch.allclose(dflash_loss(d, toy.target, s, a, cfg, logits=lg)[0], dflash_loss(d, toy.target, s, a, cfg)[0], atol=1e-5)
+
+
 def _device_spy(wrong: list, *modules, calls=None) -> list:
     """Forward pre-hooks on every submodule holding weights: each tensor handed to it must be on its weights' device;
     ``wrong`` collects the offenders, ``calls`` (a list) one entry per call checked. Returns the hooks' handles."""
@@ -127,7 +141,7 @@ def _device_spy(wrong: list, *modules, calls=None) -> list:
     return handles
 
 
-@pytest.mark.parametrize("kind,pack", [("d3d", "on"), ("d3d", "off"), ("dflash", "off")])
+@pytest.mark.parametrize("kind,pack", [("d3d", "on"), ("d3d", "off"), ("dflash", "on"), ("dflash", "off")])
 def test_every_tensor_reaches_the_models_on_their_device(toy, examples, tmp_path, monkeypatch, kind, pack):
     import d3d_core.training.train as T
 

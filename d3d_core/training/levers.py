@@ -34,7 +34,7 @@ from .losses import HeadLoss
 from .offline_tau import held_out_set, offline_tau, paired_ratio_ci
 from .softlabels import SoftLabelCache
 from .softlabels import cache_root as softlabel_root
-from .train import TrainConfig, d3d_loss, fresh_drafter, head_shortlist, sample_anchors, split_holdout, to_seq, train
+from .train import TrainConfig, autocast, d3d_loss, for_training, fresh_drafter, head_shortlist, master_dtype, sample_anchors, split_holdout, to_seq, train
 
 RECIPES = {
     "base": dict(anchors=16, ar_positions=64),  # the shipped recipe
@@ -70,7 +70,8 @@ def first_draft_accuracy(drafter, seqs: list) -> dict:
 def step_cost(bundle, examples: list, cfg: TrainConfig, n_seqs: int = 4, seed: int = 0) -> dict:
     """Mean wall ms of forward + backward of the D3D loss over the same n training sequences,
     and the supervised positions (block + context) each one trains."""
-    drafter = fresh_drafter(bundle, cfg).train()
+    dev = bundle.target.device
+    drafter = for_training(fresh_drafter(bundle, cfg), dev, master_dtype(cfg, bundle.target.dtype, dev)).train()  # as train() runs it
     train_ex, _ = split_holdout(examples, cfg.max_len)
     picked = random.Random(seed).sample(train_ex, n_seqs)
     head = HeadLoss(drafter.cfg.arch.vocab_size, head_shortlist(train_ex, cfg.head_shortlist) if cfg.head_shortlist else None,
@@ -83,8 +84,11 @@ def step_cost(bundle, examples: list, cfg: TrainConfig, n_seqs: int = 4, seed: i
         topk = soft.get(e["id"], s.ids) if soft else None  # cached before timing
         for rep in range(2):  # the first pass warms the allocator and oneDNN
             t0 = time.perf_counter()
-            loss, _, _ = d3d_loss(drafter, s, anchors, cfg, random.Random(i), head=head, topk=topk)
+            with autocast(cfg, dev):
+                loss, _, _ = d3d_loss(drafter, s, anchors, cfg, random.Random(i), head=head, topk=topk)
             loss.backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the clock stops when the GPU has done the work, not when it was queued
             drafter.zero_grad(set_to_none=True)
             if rep:
                 times.append(time.perf_counter() - t0)
@@ -127,7 +131,7 @@ def run(bundle, examples: list, minutes: float, names: list, eval_n: int, eval_t
         out = cache_dir() / "levers" / key
         t0 = time.process_time()
         res = train(bundle, examples, cfg, out, progress=False, guard=steps)
-        d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch).eval()
+        d = load_drafter(Path(res["out"]), bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype).eval()
         tau, per = offline_tau(d, seqs, B=8, stride=4, per_seq=True)
         start = fresh_drafter(bundle, cfg).eval()  # the untrained start: what the CPU time bought is the difference
         tau0 = offline_tau(start, seqs, B=8, stride=4)

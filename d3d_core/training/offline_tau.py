@@ -69,7 +69,10 @@ def dflash_anchor_logits(drafter: DFlashDrafter, feats: torch.Tensor, ids: list,
     """(n_anchors, B-1, V) with gradients (training uses it too). feats: (1, T, n*H)."""
     T = len(ids)
     f = drafter.fuse(feats)  # (1, T, H)
-    cos_c, sin_c = drafter.shared.rope(torch.arange(T, device=drafter.device), f)
+    # the rotary table in the block's dtype (the embedding's): with fp32 master weights under bf16 autocast the fused
+    # features are fp32 and the blocks bf16, and SharedParts.rope rebuilds its no-grad table, twice as long, whenever
+    # the dtype it is asked for changes — alternating the two doubled it per sequence until memory ran out
+    cos_c, sin_c = drafter.shared.rope(torch.arange(T, device=drafter.device), f.to(drafter.shared.embed_tokens.weight.dtype))
     # every layer's context K/V comes from the same fused features (what extend_context caches)
     past = lambda i: drafter.layers[i].self_attn.project_kv(f, cos_c, sin_c)  # noqa: E731
     h = drafter.forward_anchored(past, T, [(ids[p], p) for p in anchors], B)

@@ -78,7 +78,7 @@ class TrainConfig:
     anchor_attention: str = ""  # "block" | "causal" (DrafterConfig.anchor_attention); "" keeps the drafter's own (block when fresh)
     adapter_rank: int = 0  # fresh D3D drafter only: > 0 = frozen target layers + rank-r MASK-slot adapters (DrafterConfig.adapter_rank)
     amp: str = "auto"  # "auto": bf16 autocast on CUDA, none elsewhere | "bf16": always | "off": never (parameters stay fp32 unless "off" on a bf16 target)
-    pack: str = "auto"  # D3D: the step's sequences in one packed forward? "auto": on CUDA | "on" | "off" (one forward per sequence)
+    pack: str = "auto"  # the step's sequences in one packed forward? "auto": on CUDA | "on" | "off" (one forward per sequence)
 
     def __post_init__(self):
         for f, ok in (("amp", AMP_MODES), ("pack", PACK_MODES)):
@@ -105,7 +105,7 @@ def autocast(cfg: TrainConfig, device):
 
 
 def packs(cfg: TrainConfig, device) -> bool:
-    """Whether a step's D3D sequences go through the drafter in one packed forward (``packed_hidden``)."""
+    """Whether a step's sequences go through the drafter in one packed forward (``packed_hidden``, ``dflash_packed_logits``)."""
     return cfg.pack == "on" or (cfg.pack == "auto" and torch.device(device).type == "cuda")
 
 
@@ -323,24 +323,67 @@ def packed_hidden(drafter: D3DDrafter, items: list, block_size: int) -> list:
     return out
 
 
-def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cfg: TrainConfig,
-                feat_cache: dict | None = None, key=None):
-    """``feat_cache``: the target is frozen, so its hidden states of a sequence never change;
-    keeping them (fp16, T×5H per sequence, ~1 GB for 150k tokens) turns every later epoch
-    over that sequence from a 30-layer target forward into a lookup."""
-    ids = seq.ids
-    T, B = len(ids), cfg.block_size
-    anchors = [p for p in anchors if p + 1 < T]
+def dflash_feats(drafter: DFlashDrafter, target, ids: list, feat_cache: dict | None = None, key=None) -> torch.Tensor:
+    """The target's features of a sequence (1, T, n·H), on the drafter's device in its parameters' dtype.
+    ``feat_cache``: the target is frozen, so its hidden states of a sequence never change;
+    keeping them (fp16, in host memory, T×5H per sequence, ~1 GB for 150k tokens on SmolLM2) turns every later
+    epoch over that sequence from a 30-layer target forward into a lookup."""
     feats = feat_cache.get(key) if feat_cache is not None else None
     if feats is None:
         with torch.no_grad():
             feats = target_features(drafter, target, ids).clone()  # inference tensors cannot enter autograd
         if feat_cache is not None:
-            feat_cache[key] = feats.to(torch.float16)
-    feats = feats.to(next(drafter.parameters()).dtype)
-    logits = dflash_anchor_logits(drafter, feats, ids, anchors, B).float()  # (nb, B-1, V)
+            feat_cache[key] = feats.to("cpu", torch.float16)  # host memory: a GPU's is for the models
+    return feats.to(device=drafter.device, dtype=next(drafter.parameters()).dtype)
+
+
+def dflash_loss(drafter: DFlashDrafter, target, seq: CalibSeq, anchors: list, cfg: TrainConfig,
+                feat_cache: dict | None = None, key=None, logits=None):
+    """Weighted block CE of the DFlash drafter (``dflash_feats`` for ``feat_cache``). ``logits``: this sequence's
+    block logits from a pass over several sequences (``dflash_packed_logits``) instead of its own."""
+    ids = seq.ids
+    T, B = len(ids), cfg.block_size
+    anchors = [p for p in anchors if p + 1 < T]
+    if logits is None:
+        feats = dflash_feats(drafter, target, ids, feat_cache, key)
+        logits = dflash_anchor_logits(drafter, feats, ids, anchors, B).float()  # (nb, B-1, V)
     block = weighted_block_ce(logits, ids, anchors, cfg.gamma)
     return block, float(block.detach()), 0.0
+
+
+def dflash_packed_logits(drafter: DFlashDrafter, items: list, block_size: int) -> list:
+    """The DFlash block pass over several sequences at once: ``items`` = [(feats (1, T, n·H), ids, anchors)]; every
+    sequence's fused features become context keys at its own positions, every block sees the context of its own
+    sequence before its anchor (``forward_anchored``'s rule) and itself, nothing of another sequence. Returns
+    [(nb, B-1, V) float logits] per item, the values of one ``dflash_anchor_logits`` each up to rounding (tested)."""
+    L = block_size
+    anchors = [[p for p in a if p + 1 < len(ids)] for _, ids, a in items]
+    f = drafter.fuse(torch.cat([feats for feats, _, _ in items], dim=1))  # per position: one call for all
+    Ts = [len(ids) for _, ids, _ in items]
+    T, NB = sum(Ts), sum(len(a) for a in anchors) * L
+    dev = drafter.device
+    cos_c, sin_c = drafter.shared.rope(torch.cat([torch.arange(t) for t in Ts]).to(dev), f)
+    x = torch.cat([drafter.block_embeddings([ids[p] for p in a], L) for (_, ids, _), a in zip(items, anchors) if a])[None]
+    pos = torch.cat([torch.arange(p, p + L) for a in anchors for p in a]).to(dev)
+    allowed = torch.zeros(NB, T + NB, dtype=torch.bool)
+    off = r = 0
+    for t, a in zip(Ts, anchors):
+        for p in a:
+            allowed[r : r + L, off : off + p] = True  # its own sequence's context before the anchor
+            allowed[r : r + L, T + r : T + r + L] = True  # itself, bidirectional
+            r += L
+        off += t
+    mask = torch.zeros(allowed.shape, dtype=drafter.dtype).masked_fill_(~allowed, NEG_INF).to(dev)[None, None]
+    cos, sin = drafter.shared.rope(pos, x)
+    for i in drafter.active_layers():
+        past = drafter.layers[i].self_attn.project_kv(f, cos_c, sin_c)  # every sequence's context keys, as extend_context makes them
+        x, _ = drafter.layers[i](x, cos, sin, past, mask)
+    h, out, r = x[0], [], 0
+    for a in anchors:
+        hb = h[r : r + len(a) * L].view(len(a), L, h.shape[-1])
+        out.append(drafter.logits(drafter.draft_rows(hb)).float())
+        r += len(a) * L
+    return out
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -489,7 +532,7 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
         tot = bl = arl = 0.0
-        if cfg.kind == "d3d" and packs(cfg, device):  # the step's sequences in one forward, one backward
+        if packs(cfg, device):  # the step's sequences in one forward, one backward
             batch = []
             for _ in range(cfg.accum):
                 ex = rng.choice(train_ex)
@@ -500,10 +543,17 @@ def train(bundle, examples: list, cfg: TrainConfig, out: Path, progress: bool = 
             if batch:
                 total = 0.0
                 with amp():
-                    hidden = packed_hidden(drafter, [(s, a) for _, s, a in batch], cfg.block_size)
-                    for (ex, seq, anchors), hs in zip(batch, hidden):
-                        topk = soft.get(ex["id"], seq.ids) if soft is not None else None
-                        loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk, hidden=hs)
+                    if cfg.kind == "d3d":
+                        packed = packed_hidden(drafter, [(s, a) for _, s, a in batch], cfg.block_size)
+                    else:
+                        packed = dflash_packed_logits(drafter, [(dflash_feats(drafter, bundle.target, s.ids, feat_cache, e["id"]), s.ids, a)
+                                                                for e, s, a in batch], cfg.block_size)
+                    for (ex, seq, anchors), hs in zip(batch, packed):
+                        if cfg.kind == "d3d":
+                            topk = soft.get(ex["id"], seq.ids) if soft is not None else None
+                            loss, b, a = d3d_loss(drafter, seq, anchors, cfg, rng, teacher, head, topk, hidden=hs)
+                        else:
+                            loss, b, a = dflash_loss(drafter, bundle.target, seq, anchors, cfg, logits=hs)
                         total = total + loss / cfg.accum
                         tot += float(loss.detach()) / cfg.accum
                         bl += b / cfg.accum
