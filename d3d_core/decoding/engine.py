@@ -11,6 +11,11 @@ differs between modes is only *when* and *how* the block is drafted:
 
 ``iter_decode`` yields the growing ``Trace`` after prefill and after every round
 (streaming UIs); ``decode`` returns the finished one. Nothing here prints.
+
+Host and device: drafts' distributions, the hypotheses' top-k and every vocabulary-size step stay on the models'
+device; ids and positions go over without blocking (``drafters.to_device``), and what the loop needs back comes in
+one ``sampling.to_host`` per verify and one per drafter forward (with the hypotheses' candidates on a GPU, see
+``_eager_tops``). A tensor one lane hands to the other is ordered with ``wait_stream`` (``_hand_over``).
 """
 
 from __future__ import annotations
@@ -23,39 +28,60 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache
+from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache, to_device
+from . import sampling
 from .config import DecodeConfig
 from .plan import CostModel, DraftGate, expected_tokens, verify_width
-from .sampling import accept, choose, probs
+from .sampling import accept, choose, probs, sample
 from .timing import Lanes, Recorder, cpu_threads
 from .trace import MODES, Hypothesis, Round, Stats, Trace, overlap_share
 
 
 @dataclass
+class Tops:
+    """What ``make_hypotheses`` reads of a draft's distributions, on the host: per draft row a, the top tokens of q_a
+    without d_a, renormalised (None where q_a holds nothing else), and per row, the top tokens of q_a as it is
+    (the row past the verified drafts: the a = B-1 hypothesis)."""
+
+    h: int  # how many tokens per row
+    rejected: list  # row a -> ([p], [token]) or None
+    lookahead: dict  # row -> ([p], [token])
+
+
+@dataclass
 class Draft:
     ids: list  # d_1..d_{B-1}
-    q: torch.Tensor  # (B-1 [+1 lookahead], K) drafter distributions over `vocab` (temperature-scaled when T > 0)
-    vocab: Optional[torch.Tensor] = None  # (K,) ascending token ids of q's columns (a shortlist); None: all V
+    q: torch.Tensor  # (B-1 [+1 lookahead], K) drafter distributions over `vocab` (temperature-scaled when T > 0), on the drafter's device
+    vocab: Optional[torch.Tensor] = None  # (K,) ascending token ids of q's columns (a shortlist), on q's device; None: all V
     vocab_size: int = 0  # V
-
-    def col(self, token: int) -> int:
-        """q's column of a token (-1 when the shortlist does not hold it: its q is 0)."""
-        if self.vocab is None:
-            return token
-        c = int(torch.searchsorted(self.vocab, token))
-        return c if c < len(self.vocab) and int(self.vocab[c]) == token else -1
-
-    def token(self, col: int) -> int:
-        return col if self.vocab is None else int(self.vocab[col])
+    cols: Optional[torch.Tensor] = None  # (B-1,) q's columns of the drafts, on q's device (None: found from ids)
+    pd: Optional[list] = None  # q_j(d_j) of each draft, read with the ids (None: read on first use)
+    tops: Optional[Tops] = None  # the hypotheses' candidates, read with the ids where that saves a wait (_eager_tops)
 
     @property
     def probs(self) -> list:
-        return [float(self.q[j, c]) if c >= 0 else 0.0 for j, c in enumerate(map(self.col, self.ids))]
+        """q_j(d_j) per draft, host floats (0 for a token off the shortlist)."""
+        if self.pd is None:
+            cols, present = self._cols()
+            pd = self.q[: len(self.ids)].gather(1, cols[:, None]).squeeze(1) * present
+            (self.pd,) = sampling.to_host(pd)
+        return self.pd
+
+    def _cols(self) -> tuple:
+        """(q's columns of the drafts, whether the shortlist holds each) on q's device."""
+        if self.cols is not None:
+            return self.cols, torch.ones_like(self.cols, dtype=self.q.dtype)
+        ids = to_device(torch.tensor(self.ids, dtype=torch.long), self.q.device)
+        if self.vocab is None:
+            return ids, torch.ones_like(ids, dtype=self.q.dtype)
+        c = torch.searchsorted(self.vocab, ids).clamp(max=len(self.vocab) - 1)
+        return c, (self.vocab[c] == ids).to(self.q.dtype)
 
     def truncated(self, n: int) -> "Draft":
         """The first n drafts (what a verify of width n + 1 checks); q keeps row n, the drafter's
         distribution one past them (the bonus position a d3d-async hypothesis guesses)."""
-        return Draft(self.ids[:n], self.q[: n + 1], self.vocab, self.vocab_size)
+        return Draft(self.ids[:n], self.q[: n + 1], self.vocab, self.vocab_size,
+                     None if self.cols is None else self.cols[:n], None if self.pd is None else self.pd[:n], self.tops)
 
     def dense(self) -> torch.Tensor:
         """(n, V) distributions, zero off the shortlist (what rejection sampling compares with p)."""
@@ -76,69 +102,114 @@ class PackedResult:
 # ----------------------------------------------------------------------------- drafting
 
 
-def _drafts_from_hidden(drafter, h_blocks: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator) -> list:
+def _eager_tops(device: torch.device) -> bool:
+    """Read the hypotheses' candidates of every drafted block with its ids (one wait), or only for the block that
+    gets verified, when its packed pass forms them? Eager where reading costs a wait (a GPU: otherwise the packed
+    pass would wait twice); lazy on the CPU, where a read costs nothing and the top-k of H blocks that will not be
+    verified would (about 1 ms a packed pass at 8 K shortlist columns, 8 at 49 K)."""
+    return device.type != "cpu"
+
+
+def _tops(q: torch.Tensor, cols: torch.Tensor, vocab: Optional[torch.Tensor], h: int, look: slice,
+          present: Optional[torch.Tensor] = None) -> list:
+    """On q's device, for blocks q (nb, R, K) with drafts cols (nb, n): the top-h of each draft row without its draft,
+    renormalised (values, token ids, whether the row has mass left), and the top-h of q's rows ``look`` as they are.
+    ``present`` (nb, n): 0 where a draft is off the shortlist (its row then stays whole; its q is 0)."""
+    n = cols.shape[-1]
+    rest = q[:, :n].clone()
+    drop = 0.0 if present is None else rest.gather(-1, cols[..., None]) * (1 - present[..., None])
+    rest.scatter_(-1, cols[..., None], drop)
+    mass = rest.sum(-1, keepdim=True)
+    rv, ri = torch.topk(rest / mass, h, dim=-1)  # a row without mass gives NaN: flagged by mass > 0
+    lv, li = torch.topk(q[:, look], h, dim=-1)
+    if vocab is not None:
+        ri, li = vocab[ri], vocab[li]
+    return [rv, ri, mass.squeeze(-1) > 0, lv, li]
+
+
+def _host_tops(h: int, look_rows: range, rv, ri, ok, lv, li) -> Tops:
+    """One block's ``_tops``, read back, as ``Tops``."""
+    return Tops(h, [(v, t) if k else None for v, t, k in zip(rv, ri, ok)], {r: (v, t) for r, v, t in zip(look_rows, lv, li)})
+
+
+def _drafts_from_hidden(drafter, h_blocks: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator, hypotheses: int = 0) -> list:
     """h_blocks: (nb, L, H) -> one Draft per block (positions 1..L-1), computed over the shortlist's
-    K columns when the drafter has one (softmax, argmax and sampling over K, not the whole V)."""
+    K columns when the drafter has one (softmax, argmax and sampling over K, not the whole V), on the drafter's
+    device; one read brings back the drafts, their q_j(d_j) and, with ``hypotheses`` where ``_eager_tops``, the
+    candidates of the hypotheses each block would form."""
     logits, vocab = drafter.draft_logits(drafter.draft_rows(h_blocks))  # (nb, L-1, K)
     logits = logits.float()
-    vocab = vocab.cpu() if vocab is not None else None
-    out = []
-    B = cfg.block_size
-    for b in range(logits.shape[0]):
-        q = probs(logits[b], cfg.temperature).cpu()
-        cols = choose(logits[b, : B - 1], cfg.temperature, gen).cpu()
-        ids = (cols if vocab is None else vocab[cols]).tolist()
-        out.append(Draft(ids, q, vocab, drafter.cfg.arch.vocab_size))
-    return out
+    nb, B = logits.shape[0], cfg.block_size
+    if nb == 0:
+        return []
+    q = probs(logits, cfg.temperature)  # (nb, L-1, K)
+    if cfg.temperature > 0:  # one draw per block, in block order (as the generator's stream always ran)
+        cols = torch.stack([sample(q[b, : B - 1], gen) for b in range(nb)])
+    else:
+        cols = logits[:, : B - 1].argmax(-1)
+    reads = [cols if vocab is None else vocab[cols], q[:, : B - 1].gather(-1, cols[..., None]).squeeze(-1)]
+    h = min(hypotheses, q.shape[-1])
+    eager = bool(h) and _eager_tops(q.device)
+    if eager:
+        reads += _tops(q, cols, vocab, h, slice(None))
+    ids, pd, *tops = sampling.to_host(*reads)
+    rows = range(q.shape[1])
+    return [Draft(ids[b], q[b], vocab, drafter.cfg.arch.vocab_size, cols[b], pd[b],
+                  _host_tops(h, rows, *(t[b] for t in tops)) if eager else None) for b in range(nb)]
 
 
 @torch.inference_mode()
-def d3d_draft(drafter: D3DDrafter, cache: KVCache, ctx_ids: list, anchor: int, cfg: DecodeConfig, gen) -> Draft:
+def d3d_draft(drafter: D3DDrafter, cache: KVCache, ctx_ids: list, anchor: int, cfg: DecodeConfig, gen, hypotheses: int = 0) -> Draft:
     """Commit ctx_ids to the drafter's context and draft the block after them (one forward).
     The D3D block carries one extra mask slot (position s+B): the drafter's guess one past
-    the block, used by the a = B-1 hypothesis of d3d-async."""
-    ctx = torch.tensor(ctx_ids, dtype=torch.long, device=drafter.device)
+    the block, used by the a = B-1 hypothesis of d3d-async (``hypotheses``: H, when a packed pass will follow)."""
+    ctx = to_device(torch.tensor(ctx_ids, dtype=torch.long), drafter.device)
     _, h_blocks, new_kv = drafter.forward_packed(cache, ctx, [(anchor, len(ctx_ids))], cfg.block_size + 1)
     drafter.commit_kv(cache, new_kv, len(ctx_ids))
-    return _drafts_from_hidden(drafter, h_blocks, cfg, gen)[0]
+    return _drafts_from_hidden(drafter, h_blocks, cfg, gen, hypotheses)[0]
 
 
 @torch.inference_mode()
 def d3d_prefill(drafter: D3DDrafter, cache: KVCache, prompt_ids: list) -> None:
-    ctx = torch.tensor(prompt_ids, dtype=torch.long, device=drafter.device)
+    ctx = to_device(torch.tensor(prompt_ids, dtype=torch.long), drafter.device)
     _, _, new_kv = drafter.forward_packed(cache, ctx, [], 1)
     drafter.commit_kv(cache, new_kv, len(prompt_ids))
+
+
+def _read_tops(draft: Draft, B: int, h: int) -> Tops:
+    """The candidates a verify of width B needs, computed on q's device and read (the lazy path of ``_eager_tops``)."""
+    cols, present = draft._cols()
+    cols = cols[: B - 1]
+    look = slice(B - 1, B) if draft.q.shape[0] >= B else slice(0, 0)
+    reads = _tops(draft.q[None], cols[None], draft.vocab, h, look, present[None, : B - 1])
+    return _host_tops(h, range(look.start, look.stop), *(t[0] for t in sampling.to_host(*reads)))
 
 
 def make_hypotheses(draft: Draft, B: int, H: int) -> list:
     """The H most likely (a, t) outcomes of verifying [x_s, d_1..d_{B-1}] (B: the verify's width), scored with the
     drafter's own distributions: P(a, t) ~ prod_{j<=a} q_j(d_j) * (1 - q_{a+1}(d_{a+1})) *
     q~_{a+1}(t), where q~ is q_{a+1} without d_{a+1}; for a = B-1, t comes from the
-    lookahead slot q_B. Returns [(a, t, score)] best first."""
-    q = draft.q
+    lookahead slot q_B. Returns [(a, t, score)] best first. The top-k ran on q's device (``_tops``); here only
+    the few candidates are scored and sorted."""
     eps = 1e-12
-    d = [draft.col(t) for t in draft.ids]  # q's columns of the drafts (-1: off the shortlist, q = 0)
-    pd = torch.tensor([float(q[j, d[j]]) if d[j] >= 0 else 0.0 for j in range(B - 1)])
-    prefix = torch.cat([torch.zeros(1), torch.cumsum(torch.log(pd + eps), 0)])  # prefix[a] = sum_{j<a+1..}
+    h = min(H, draft.q.shape[1])
+    tops = draft.tops
+    if tops is None or tops.h < h or (draft.q.shape[0] >= B and B - 1 not in tops.lookahead):
+        tops = _read_tops(draft, B, h)
+    pd = draft.probs[: B - 1]
+    prefix = [0.0]  # prefix[a] = sum_{j<a} log q_j(d_j)
+    for p in pd:
+        prefix.append(prefix[-1] + math.log(p + eps))
     cands = []
     for a in range(B - 1):
-        row = q[a].clone()
-        p_rej = 1.0 - float(pd[a])
-        if d[a] >= 0:
-            row[d[a]] = 0.0
-        s = row.sum()
-        if s <= 0:
+        if tops.rejected[a] is None:  # q_{a+1} holds nothing but d_{a+1}
             continue
-        row = row / s
-        top = torch.topk(row, min(H, row.numel()))
-        base = float(prefix[a]) + math.log(max(p_rej, eps))
-        for p, c in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((base + math.log(p + eps), a, draft.token(c)))
-    if q.shape[0] >= B:  # lookahead slot present (D3D)
-        top = torch.topk(q[B - 1], min(H, q.shape[1]))
-        base = float(prefix[B - 1])
-        for p, c in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((base + math.log(p + eps), B - 1, draft.token(c)))
+        base = prefix[a] + math.log(max(1.0 - pd[a], eps))
+        for p, t in zip(*(x[:h] for x in tops.rejected[a])):
+            cands.append((base + math.log(p + eps), a, t))
+    if draft.q.shape[0] >= B:  # lookahead slot present (D3D)
+        for p, t in zip(*(x[:h] for x in tops.lookahead[B - 1])):
+            cands.append((prefix[B - 1] + math.log(p + eps), B - 1, t))
     cands.sort(key=lambda c: -c[0])
     return [(a, t, math.exp(s)) for s, a, t in cands[:H]]
 
@@ -150,9 +221,9 @@ def d3d_packed(drafter: D3DDrafter, cache: KVCache, anchor: int, draft: Draft, c
     the provisional context up to s+a (4-D mask, no hypothesis sees another)."""
     B = cfg.block_size
     hyps = make_hypotheses(draft, len(draft.ids) + 1, cfg.hypotheses)  # the verified width, which the plan may cut below B
-    ctx = torch.tensor([anchor] + draft.ids, dtype=torch.long, device=drafter.device)
+    ctx = to_device(torch.tensor([anchor] + draft.ids, dtype=torch.long), drafter.device)
     _, h_blocks, new_kv = drafter.forward_packed(cache, ctx, [(t, a + 1) for a, t, _ in hyps], B + 1)
-    drafts = _drafts_from_hidden(drafter, h_blocks, cfg, gen) if hyps else []
+    drafts = _drafts_from_hidden(drafter, h_blocks, cfg, gen, cfg.hypotheses) if hyps else []  # a hit's block forms the next hypotheses
     return PackedResult(hyps, drafts, new_kv)
 
 
@@ -297,6 +368,8 @@ class Run:
         return cpu_threads(self.solo_threads)
 
     def __post_init__(self):
+        if torch.device(self.lanes.device).type != "cpu":  # sampling runs where the logits are: so do its generators
+            self.gen_t, self.gen_d = torch.Generator(self.lanes.device), torch.Generator(self.lanes.device)
         self.gen_t.manual_seed(self.cfg.seed)
         self.gen_d.manual_seed(self.cfg.seed + 1)
 
@@ -309,8 +382,8 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
     t_cache = target.new_cache()
     mode.start_prefill(trace.prompt_ids)
     with run.lanes.target_ctx(), rec.span("target", "prefill", -1):
-        out = target.prefill(t_cache, torch.tensor(trace.prompt_ids, dtype=torch.long), mode.feature_layers)
-        first = int(choose(out.logits[-1:], cfg.temperature, run.gen_t)[0])
+        out = target.prefill(t_cache, to_device(torch.tensor(trace.prompt_ids, dtype=torch.long), target.device), mode.feature_layers)
+        ((first,),) = sampling.to_host(choose(out.logits[-1:], cfg.temperature, run.gen_t))
     run.n_target_fwd += 1
     mode.finish_prefill(trace.prompt_ids, out)
     _sync(run)
@@ -337,11 +410,14 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
             k = verify_width(q_drafts, run.costs, mode.draft_cost())
             held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
         drafts = draft.ids if draft is not None else []
+        reads_q = draft is not None and cfg.temperature > 0 and cfg.sampling == "rejection"  # only rejection sampling reads q
+        if reads_q:  # before the packed pass is queued behind it on the drafter's stream
+            _hand_over(run.lanes, "target")
         mode.during_verify(rnd, anchor, draft)
         with run.lanes.target_ctx(), rec.span("target", "verify", rnd), (run.solo() if draft is None else contextlib.nullcontext()):
-            vout = target.verify(t_cache, torch.tensor([anchor] + drafts, dtype=torch.long), mode.feature_layers)
-            q = draft.dense() if draft is not None and cfg.temperature > 0 else None  # only rejection sampling reads q
-            v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)
+            vout = target.verify(t_cache, to_device(torch.tensor([anchor] + drafts, dtype=torch.long), target.device), mode.feature_layers)
+            q = draft.dense() if reads_q else None
+            v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)  # the target lane's one read
             target.rollback(t_cache, len(drafts) - v.accepted)
         run.n_target_fwd += 1
         if gate is not None and draft is not None:
@@ -393,6 +469,15 @@ def _commit(output: list, tokens: list, eos, max_new_tokens: int) -> tuple:
 def _sync(run: Run) -> None:
     if run.lanes.cuda:
         torch.cuda.synchronize()
+
+
+def _hand_over(lanes: Lanes, to: str) -> None:
+    """Order a tensor one lane made before the other lane's use of it: the receiving lane's stream (``to``:
+    "target" or "drafter") waits for the work queued on the giving lane's stream so far. On the GPU only, and only
+    when the lanes have two streams; a CPU run does nothing here."""
+    if lanes.cuda and lanes.drafter_stream is not lanes.target_stream:
+        give, take = (lanes.drafter_stream, lanes.target_stream) if to == "target" else (lanes.target_stream, lanes.drafter_stream)
+        take.wait_stream(give)
 
 
 # ----------------------------------------------------------------------------- one strategy per mode
@@ -458,16 +543,22 @@ class DFlashMode(Mode):
         self.pending_feats = None  # features of committed tokens not yet in the drafter's cache
 
     def finish_prefill(self, prompt_ids, out):
-        with self.run.rec.span("drafter", "prefill", -1), torch.inference_mode():
+        _hand_over(self.run.lanes, "drafter")  # the features come from the target's prefill
+        with self.run.lanes.drafter_ctx(), self.run.rec.span("drafter", "prefill", -1), torch.inference_mode():
             self.drafter.extend_context(self.cache, out.feats)
 
     def draft(self, rnd, anchor):
         feats, self.pending_feats = self.pending_feats, None
+        _hand_over(self.run.lanes, "drafter")  # the features come from the target's verify
         return self._timed_draft("draft", rnd, lambda: dflash_draft(self.drafter, self.cache, feats, anchor, self.run.cfg, self.run.gen_d)), "draft"
 
     def after_verify(self, rd, anchor, drafts, vout):
         new = vout.feats[:, : rd.accepted + 1]  # anchor + accepted drafts, as the target saw them
-        self.pending_feats = new if self.pending_feats is None else torch.cat([self.pending_feats, new], 1)
+        if self.pending_feats is not None:  # a skipped round's features wait too: join them where the draft reads them
+            _hand_over(self.run.lanes, "drafter")  # vout.feats were written on the target's stream
+            with self.run.lanes.drafter_ctx():
+                new = torch.cat([self.pending_feats, new], 1)
+        self.pending_feats = new
 
 
 class D3DSeqMode(Mode):
@@ -480,7 +571,7 @@ class D3DSeqMode(Mode):
         self.pending_ctx: list = []  # committed tokens the drafter has not seen yet
 
     def finish_prefill(self, prompt_ids, out):
-        with self.run.rec.span("drafter", "prefill", -1):
+        with self.run.lanes.drafter_ctx(), self.run.rec.span("drafter", "prefill", -1):  # the cache is written where drafts read it
             d3d_prefill(self.drafter, self.cache, prompt_ids)
         self.run.n_draft_fwd += 1
 
@@ -534,7 +625,8 @@ class D3DAsyncMode(Mode):
         kind = "sync_draft" if rnd > 0 else "draft"  # the packed passes committed the context, skipped rounds aside
         ctx, self.pending_ctx = self.pending_ctx, []
         with self.run.solo():  # nothing runs on the target lane meanwhile
-            return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d)), kind
+            return self._timed_draft(kind, rnd, lambda: d3d_draft(self.drafter, self.cache, ctx, anchor, self.run.cfg, self.run.gen_d,
+                                                                  self.run.cfg.hypotheses)), kind
 
     def during_verify(self, rnd, anchor, draft):
         if draft is None:  # a skipped round: nothing to draft successors from

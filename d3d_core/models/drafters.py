@@ -38,11 +38,21 @@ from . import fastops
 NEG_INF = -1e9  # additive mask value; finite so fully-masked rows never produce NaN
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor (ids, positions, a mask built on the CPU) on ``device`` without making the host wait: on CUDA it
+    goes through pinned memory with a non-blocking copy on the current stream (a copy from pageable memory
+    synchronises that stream first); elsewhere ``t.to(device)``, which on the CPU is ``t`` itself (no copy)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def additive_mask(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
     """bool (N, K) "may attend" -> float additive mask (1, 1, N, K): 0 or NEG_INF.
     Float, not bool: a bool mask is silently wrong with some kernels (DESIGN §6)."""
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, NEG_INF)
-    return mask.to(device)[None, None]
+    return to_device(mask, device)[None, None]
 
 
 # ----------------------------------------------------------------------------- configs
@@ -401,12 +411,15 @@ class SharedParts:
         self.target_layers = target_layers
         self.final_norm = final_norm
 
-    def rope(self, positions: torch.Tensor, like: torch.Tensor):
+    def rope(self, positions: torch.Tensor, like: torch.Tensor, need: Optional[int] = None):
         """positions: (N,) long -> cos, sin: (1, N, hd). Under autograd the rotary embedding runs
-        as is; otherwise rows of a table it computed once (elementwise, so the same values)."""
+        as is; otherwise rows of a table it computed once (elementwise, so the same values).
+        ``need``: the largest position + 1, from a caller that knows it (the decode's forwards do): reading
+        ``positions.max()`` off a GPU tensor would make the host wait for the stream."""
         if torch.is_grad_enabled():
             return self.rotary_emb(like, positions[None])
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need is None:
+            need = int(positions.max()) + 1 if positions.numel() else 0
         table = getattr(self, "_rope_table", None)
         if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype or table[0].device != like.device:
             n = max(need, 1024, 2 * (table[0].shape[1] if table is not None else 0))
@@ -598,7 +611,7 @@ class _DrafterBase(nn.Module):
 
     def block_embeddings(self, anchor_ids: list, block_len: int) -> torch.Tensor:
         """[anchor, MASK x (L-1)] per block -> (nb * L, H) input embeddings."""
-        a_emb = self.shared.embed_tokens(torch.tensor(anchor_ids, dtype=torch.long, device=self.device))  # (nb, H)
+        a_emb = self.shared.embed_tokens(to_device(torch.tensor(anchor_ids, dtype=torch.long), self.device))  # (nb, H)
         x = self.mask_embedding.to(a_emb.dtype).expand(len(anchor_ids), block_len, -1).clone()
         x[:, 0] = a_emb
         return x.reshape(len(anchor_ids) * block_len, -1)
@@ -699,6 +712,10 @@ class D3DDrafter(_DrafterBase):
         position n_visible and sees only cache[:n_visible] (a cache filled once with a whole sequence).
         Returns x (1, N, H), positions (N,), mask (1, 1, N, T+N) with N = C + len(blocks)*L.
         """
+        return self._inputs(cache_len, ctx_ids, blocks, block_len, cache_prefix)[:3]
+
+    def _inputs(self, cache_len: int, ctx_ids: torch.Tensor, blocks: list, block_len: int, cache_prefix: bool = False):
+        """``build_inputs`` and the largest position + 1 (counted while laying the positions out, never read off a tensor)."""
         dev = self.device
         C, L, T = ctx_ids.shape[0], block_len, cache_len
         nb = len(blocks)
@@ -706,13 +723,14 @@ class D3DDrafter(_DrafterBase):
         causal_anchor = self.cfg.anchor_attention == "causal"
         if cache_prefix and C:
             raise ValueError("cache_prefix packs blocks over the cache alone (no context tokens)")
-        parts = [self.shared.embed_tokens(ctx_ids.to(dev))] if C else []
+        parts = [self.shared.embed_tokens(to_device(ctx_ids, dev))] if C else []
         if nb:
             parts.append(self.block_embeddings([b[0] for b in blocks], L))
         x = torch.cat(parts, dim=0)[None]  # (1, N, H)
 
         pos = torch.empty(N, dtype=torch.long)
         pos[:C] = torch.arange(T, T + C)
+        need = T + C if C else 0  # the largest position + 1, counted here rather than read off pos
         allowed = torch.zeros(N, T + N, dtype=torch.bool)
         allowed[:, :T] = not cache_prefix  # everyone sees the committed cache (its prefix, with cache_prefix)
         allowed[:C, T : T + C] = torch.tril(torch.ones(C, C, dtype=torch.bool))  # causal context
@@ -720,6 +738,7 @@ class D3DDrafter(_DrafterBase):
             r = C + b * L
             start = n_vis if cache_prefix else T + n_vis
             pos[r : r + L] = torch.arange(start, start + L)
+            need = max(need, start + L)
             if cache_prefix:
                 allowed[r : r + L, :n_vis] = True  # the cached prefix up to the anchor
             else:
@@ -727,7 +746,7 @@ class D3DDrafter(_DrafterBase):
             allowed[r : r + L, T + r : T + r + L] = True  # bidirectional inside the block
             if causal_anchor:
                 allowed[r, T + r + 1 : T + r + L] = False  # the anchor slot sees the prefix and itself only
-        return x, pos.to(dev), additive_mask(allowed, self.dtype, dev)
+        return x, to_device(pos, dev), additive_mask(allowed, self.dtype, dev), need
 
     def forward_packed(self, cache: KVCache, ctx_ids: torch.Tensor, blocks: list, block_len: int, cache_prefix: bool = False):
         """Run context + blocks in one forward (``cache_prefix``: see ``build_inputs``).
@@ -738,8 +757,8 @@ class D3DDrafter(_DrafterBase):
         """
         T = len(cache)
         C = ctx_ids.shape[0]
-        x, pos, mask = self.build_inputs(T, ctx_ids, blocks, block_len, cache_prefix)
-        cos, sin = self.shared.rope(pos, x)
+        x, pos, mask, need = self._inputs(T, ctx_ids, blocks, block_len, cache_prefix)
+        cos, sin = self.shared.rope(pos, x, need)
         rows = None
         if self.frozen_base:  # the adapters act on MASK slots: every block row but its anchor
             m = torch.zeros(len(blocks), block_len, 1, dtype=x.dtype, device=x.device)
@@ -793,7 +812,7 @@ class DFlashDrafter(_DrafterBase):
         T = len(cache)
         f = self.fuse(feats)
         pos = torch.arange(T, T + n, device=self.device)
-        cos, sin = self.shared.rope(pos, f)
+        cos, sin = self.shared.rope(pos, f, T + n)
         for i in self.active_layers():
             k, v = self.layers[i].self_attn.project_kv(f, cos, sin)
             cache.append(i, k, v)
@@ -810,13 +829,13 @@ class DFlashDrafter(_DrafterBase):
         context before pos and itself, never another block. Returns h (nb, L, H)."""
         nb, L = len(blocks), block_len
         x = self.block_embeddings([a for a, _ in blocks], L)[None]  # (1, nb*L, H)
-        pos = torch.cat([torch.arange(p, p + L) for _, p in blocks]).to(self.device)
+        pos = to_device(torch.cat([torch.arange(p, p + L) for _, p in blocks]), self.device)
         allowed = torch.zeros(nb * L, T + nb * L, dtype=torch.bool)
         for b, (_, p) in enumerate(blocks):
             allowed[b * L : (b + 1) * L, :p] = True
             allowed[b * L : (b + 1) * L, T + b * L : T + (b + 1) * L] = True
         mask = additive_mask(allowed, self.dtype, self.device)
-        cos, sin = self.shared.rope(pos, x)
+        cos, sin = self.shared.rope(pos, x, max(p for _, p in blocks) + L)
         for i in self.active_layers():
             x, _ = self.layers[i](x, cos, sin, past(i), mask)
         return x[0].view(nb, L, -1)
