@@ -171,10 +171,10 @@ class Int4Linear:
         return cls(packed, sz, n, kk // c.planes, c.planes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
+        x = x.to(torch.bfloat16)
         if self.planes == 2:
             x = torch.cat([x, x], -1)
-        y = _kernel()(x, self.packed, GROUP, self.sz)
+        y = _kernel()(x if x.is_contiguous() else x.contiguous(), self.packed, GROUP, self.sz)
         return y if y.shape[-1] == self.n else y[:, : self.n]
 
     def tensors(self, prefix: str) -> dict:

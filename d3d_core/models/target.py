@@ -48,20 +48,21 @@ class TargetOutput:
 
 
 class StaticKV:
-    """Preallocated per-layer K/V for one sequence (fast engine): k[i], v[i] are (nkv, capacity, hd),
+    """Preallocated per-layer K/V for one sequence (fast engine): k[i], v[i] are (1, nkv, capacity, hd) (SDPA's own
+    4-D layout, so attention reads them without a view per layer),
     positions 0..length-1 are valid. Grows by doubling; rollback only moves ``length``. Speaks the
     two methods of HF's cache that ``Target`` uses (``get_seq_length``, ``crop``)."""
 
     def __init__(self, n_layers: int, nkv: int, hd: int, dtype, device, capacity: int = 512):
         # zeros, not empty: the int4 engine attends over masked positions past the length, which must hold finite values
-        self.k = [torch.zeros(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros(1, nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(1, nkv, capacity, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
         self.int4 = None  # the int4 engine's weights (Int4Weights) when this cache belongs to an int4 decode
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def reserve(self, n: int) -> None:
         need = self.length + n
@@ -70,8 +71,8 @@ class StaticKV:
         cap = max(need, 2 * self.capacity)
         for kv in (self.k, self.v):
             for i, t in enumerate(kv):
-                new = t.new_zeros(t.shape[0], cap, t.shape[2])
-                new[:, : self.length] = t[:, : self.length]
+                new = t.new_zeros(1, t.shape[1], cap, t.shape[3])
+                new[:, :, : self.length] = t[:, :, : self.length]
                 kv[i] = new
 
     def get_seq_length(self) -> int:
@@ -221,6 +222,8 @@ class Target:
             self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (P, hd/2)
             self._perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
             # Qwen3's per-head q / k norm weights, in the same interleaved order (None for Llama)
+            # each layer's modules and norm weights, looked up once instead of per forward
+            self._fast_layers = [(l, l.input_layernorm.weight, l.post_attention_layernorm.weight, l.mlp) for l in self.layers]
             self._qk_norm = [None if getattr(l.self_attn, "q_norm", None) is None else
                              (l.self_attn.q_norm.weight[self._perm], l.self_attn.k_norm.weight[self._perm]) for l in self.layers]
 
@@ -299,17 +302,17 @@ class Target:
         if groups is None and n > 1:  # causal inside the fed tokens; every cached position is visible
             mask = torch.zeros(n, T + n, dtype=x.dtype, device=x.device)
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
+            mask = mask.repeat(self.arch.num_attention_heads // self.arch.num_key_value_heads, 1)  # one row per stacked query head
         feats = {}
-        for i, layer in enumerate(self.layers):
+        for i, (layer, ln1, ln2, mlp) in enumerate(self._fast_layers):
             q4 = w4.layers[i] if w4 is not None else _NO_INT4
-            h = F.rms_norm(x, H, layer.input_layernorm.weight, eps)
+            h = F.rms_norm(x, H, ln1, eps)
             x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask, plan, q4)
-            h = F.rms_norm(x, H, layer.post_attention_layernorm.weight, eps)
-            mlp = layer.mlp
+            h = F.rms_norm(x, H, ln2, eps)
             lin = q4.get("gate_up")
             if lin is not None:  # bf16 out; silu and the product in fp32 (bf16 * fp32 promotes), rounded to bf16 once by down
                 gate, up = lin(h).chunk(2, dim=-1)
-                act = F.silu(gate.float()) * up
+                act = F.silu(gate.float(), inplace=True).mul_(up)
             else:
                 gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h,
                                            plan=plan)
@@ -362,29 +365,30 @@ class Target:
         else:
             qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                         [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv, plan=plan)
-        qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
-        if self._qk_norm[i] is not None:  # Qwen3: per-head RMSNorm before RoPE
-            qw, kw = self._qk_norm[i]
-            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qw, attn.q_norm.variance_epsilon),
-                            F.rms_norm(qk[:, nh:], (hd,), kw, attn.k_norm.variance_epsilon)], 1)
-        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(n, nh + nkv, hd // 2, 2)) * rot).reshape(n, nh + nkv, hd)
-        cache.k[i][:, T : T + n] = qk[:, nh:].transpose(0, 1)
-        cache.v[i][:, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
-        K, V = cache.k[i][:, : T + n], cache.v[i][:, : T + n]  # (nkv, T+n, hd)
+        qn = self._qk_norm[i]
+        if qn is None:  # RoPE in place on qkv's q|k columns: one complex multiply, no copy
+            qk = qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
+            torch.view_as_complex(qk.view(n, nh + nkv, hd // 2, 2)).mul_(rot)
+        else:  # Qwen3: per-head RMSNorm before RoPE
+            qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qn[0], attn.q_norm.variance_epsilon),
+                            F.rms_norm(qk[:, nh:], (hd,), qn[1], attn.k_norm.variance_epsilon)], 1)
+            qk = torch.view_as_real(torch.view_as_complex(qk.reshape(n, nh + nkv, hd // 2, 2)) * rot).reshape(n, nh + nkv, hd)
+        kc, vc = cache.k[i], cache.v[i]  # (1, nkv, capacity, hd)
+        kc[0, :, T : T + n] = qk[:, nh:].transpose(0, 1)
+        vc[0, :, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
         if isinstance(mask, list):  # the int4 engine: rows grouped by their key bucket (see _attention_groups)
             ys = []
             with record_function(ATTENTION):
                 for a, b, L, m in mask:
                     q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
-                    ys.append(F.scaled_dot_product_attention(q[None], cache.k[i][None, :, :L], cache.v[i][None, :, :L], attn_mask=m)[0]
-                              .reshape(nh, b - a, hd))
+                    ys.append(F.scaled_dot_product_attention(q[None], kc[:, :, :L], vc[:, :, :L], attn_mask=m).reshape(nh, b - a, hd))
             y = (ys[0] if len(ys) == 1 else torch.cat(ys, 1)).transpose(0, 1).reshape(n, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
-            m = None if mask is None else mask.repeat(g, 1)
             with record_function(ATTENTION):
-                y = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=m)[0]  # (nkv, g*n, hd)
+                y = F.scaled_dot_product_attention(q[None], kc[:, :, : T + n], vc[:, :, : T + n], attn_mask=mask)  # (1, nkv, g*n, hd)
             y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
         lin = q4.get("o")
         if lin is not None:
