@@ -194,8 +194,8 @@ def make_hypotheses(draft: Draft, B: int, H: int) -> list:
     eps = 1e-12
     h = min(H, draft.q.shape[1])
     tops = draft.tops
-    if tops is None or tops.h < h or (draft.q.shape[0] >= B and B - 1 not in tops.lookahead):
-        tops = _read_tops(draft, B, h)
+    if tops is None or tops.h < h or len(tops.rejected) < B - 1 or (draft.q.shape[0] >= B and B - 1 not in tops.lookahead):
+        tops = draft.tops = _read_tops(draft, B, h)  # kept: a caller timing packed passes over one draft reads once
     pd = draft.probs[: B - 1]
     prefix = [0.0]  # prefix[a] = sum_{j<a} log q_j(d_j)
     for p in pd:

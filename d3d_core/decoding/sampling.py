@@ -113,9 +113,10 @@ def accept_rejection(drafts: list, q: torch.Tensor, target_logits: torch.Tensor,
     pd, qd = p[:n].gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
     passed = (qd > 0) & (uniform(n, gen, dev) < torch.clamp(pd / qd, max=1.0))
     a = passed.long().cumprod(0).sum().view(1)  # the leading passes: how many drafts are accepted
-    q_rows = torch.cat([q, q.new_zeros(1, q.shape[1])])  # row n (all accepted): nothing to subtract
     pa = p.index_select(0, a)  # (1, V)
-    resid = torch.clamp(pa - q_rows.index_select(0, a), min=0)
+    rejected = (a < n).to(p.dtype)[:, None]  # 0 when every draft was accepted: nothing to subtract from p_B
+    qa = q.index_select(0, a.clamp(max=n - 1)) * rejected if n else torch.zeros_like(pa)
+    resid = torch.clamp(pa - qa, min=0)
     s = resid.sum(-1, keepdim=True)
     resid = torch.where((s > 0) & (a < n), resid / s, pa)  # norm(max(p_j - q_j, 0)); p_j itself when that is empty; p_B
     accepted, bonus, y = to_host(a, sample(resid, gen), p.argmax(-1))
