@@ -77,3 +77,18 @@ def test_shortlist_round_trips_through_save_and_load(toy, tmp_path):
     d.save(tmp_path / "d")
     back = load_drafter(tmp_path / "d", toy.target.shared, toy.target.arch)
     assert back.cfg.vocab_shortlist == (1, 4, 9)
+
+
+def test_rope_table_is_kept_per_dtype_and_does_not_grow_when_dtypes_alternate(toy):
+    """fp32 features beside bf16 blocks once made the shared table double at every change of dtype until memory ran out."""
+    shared = toy.target.shared
+    pos = torch.arange(10)
+    with torch.no_grad():
+        for _ in range(8):
+            for dt in (torch.float32, torch.bfloat16):
+                cos, sin = shared.rope(pos, torch.zeros(1, dtype=dt))
+                assert cos.dtype == sin.dtype == dt and cos.shape[1] == 10
+        lengths = {k[0]: t[0].shape[1] for k, t in shared._rope_tables.items()}
+        assert lengths == {torch.float32: 1024, torch.bfloat16: 1024}
+        shared.rope(torch.tensor([1500]), torch.zeros(1))  # a longer context grows that dtype's table once
+        assert shared._rope_tables[(torch.float32, torch.device("cpu"))][0].shape[1] == 2048

@@ -420,12 +420,14 @@ class SharedParts:
             return self.rotary_emb(like, positions[None])
         if need is None:
             need = int(positions.max()) + 1 if positions.numel() else 0
-        table = getattr(self, "_rope_table", None)
-        if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype or table[0].device != like.device:
-            n = max(need, 1024, 2 * (table[0].shape[1] if table is not None else 0))
+        tables = self.__dict__.setdefault("_rope_tables", {})  # one per (dtype, device): fp32 features beside bf16 blocks
+        key = (like.dtype, like.device)
+        table = tables.get(key)
+        if table is None or table[0].shape[1] < need:  # grows by doubling only when a longer one is needed
+            n = max(need, 1024, 2 * table[0].shape[1] if table is not None else 0)
             with torch.inference_mode():
                 table = self.rotary_emb(like, torch.arange(n, device=like.device)[None])
-            self._rope_table = table
+            tables[key] = table
         cos, sin = table
         return cos[:, positions], sin[:, positions]
 
