@@ -668,7 +668,7 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     """Stacked bars: where each forward's wall time goes (python -m d3d_core.measure.costs), with the
     machine's bound (bytes / bandwidth or FLOPs / GEMM rate) as a diamond — the gap between a bar
     and its diamond is what a faster engine could still win."""
-    title = "Cost of each forward on this machine"
+    title = "Cost of each forward on this machine" + (", int4 engine" if (costs or {}).get("engine") == "int4" else "")
     if not costs or not costs.get("rows"):
         return _empty(title, "No cost breakdown shipped for this bundle yet (python -m d3d_core.measure.costs).")
     th = threads or max(r["threads"] for r in costs["rows"])

@@ -396,12 +396,14 @@ def measure_pruned(bundle, active, state):
 
 
 def engines_views(bundle) -> tuple:
-    """The Benchmarks tab's engines section for ``bundle``: (text, table, figure) from its shipped engines run and
-    per-engine benches (``service.engine_runs``)."""
+    """The Benchmarks tab's engines section for ``bundle``: (text, table, figure, int4 cost provenance, int4 cost figure)
+    from its shipped engines run, per-engine benches (``service.engine_runs``) and the int4 engine's cost breakdown."""
     engines, benches = service.engine_runs(bundle)
     prov = service.provenance({**engines, "engine": "fp32, int4 and llama.cpp"}) if engines else ""
+    costs4 = service.cost_breakdown(bundle, "int4")
     return (engine_views.engines_text(engines, benches) + (("\n\n" + prov) if prov else ""),
-            engine_views.engines_table(engines), engine_views.speculation_by_engine_figure(benches, engines))
+            engine_views.engines_table(engines), engine_views.speculation_by_engine_figure(benches, engines),
+            service.provenance(costs4), figures.cost_breakdown_figure(costs4))
 
 
 def bench_views(bundle) -> tuple:
@@ -626,10 +628,15 @@ def build_demo() -> gr.Blocks:
                             "`python -m d3d_core.measure.engines` times plain decoding on the fp32 and int4 engines and llama.cpp "
                             "(`--peers llama-cpp`, an optional install) on the same prompts and threads in one run; a bench per engine "
                             "(`bench --engine fast|int4`) times every mode against that engine's own ar. The Race tab races on either engine.")
-                e_text, e_table, e_fig = engines_views(home)
+                e_text, e_table, e_fig, e_cprov, e_costs = engines_views(home)
                 b_etext = gr.Markdown(e_text, elem_id="engines-text")
                 b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
                 b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
+                gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs run "
+                            "near this CPU's read bandwidth, so what is left is the glue around them (Python, norms, casts, RoPE, KV "
+                            "writes: “everything else”) and attention; a verify of 8 rows costs about two steps here, not one.")
+                b_ecprov = gr.Markdown(e_cprov)
+                b_ecosts = gr.Plot(e_costs, label="Cost breakdown, int4 engine")
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
                             "with the costs the run itself paid (mean span times) and, where the bench ran with `--cost-probe`, with separately "
                             "probed costs (those columns appear only when measured). "
@@ -729,7 +736,7 @@ def build_demo() -> gr.Blocks:
             return prov, table, check, gr.update(choices=ds, value="all"), acc, sweep, cprov, costs, overlap
 
         bundle.change(on_bundle_bench, [bundle], [b_prov, b_table, b_check, b_ds, b_acc, b_sweep, b_cprov, b_costs, b_overlap], api_name=False)
-        bundle.change(engines_views, [bundle], [b_etext, b_etable, b_efig], api_name=False)
+        bundle.change(engines_views, [bundle], [b_etext, b_etable, b_efig, b_ecprov, b_ecosts], api_name=False)
         bundle.change(lambda b: gr.update(value=service.default_block(b)), [bundle], [block], api_name=False, queue=False)
         bundle.change(d3d_picker, [bundle], [d3d_pick], api_name=False, queue=False)
         b_ds.change(lambda b, ds: figures.bench_acceptance_figure(service.bench_result(b), ds or "all"), [bundle, b_ds], [b_acc],

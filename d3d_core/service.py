@@ -387,9 +387,10 @@ def engine_runs(bundle_name: str) -> tuple:
     return engines, {e: b for e, b in benches.items() if b}
 
 
-def cost_breakdown(bundle_name: str) -> Optional[dict]:
-    """The shipped cost breakdown (python -m d3d_core.measure.costs), if any."""
-    return _asset_json("bench", f"{bundle_name}-costs.json")
+def cost_breakdown(bundle_name: str, engine: str = "fast") -> Optional[dict]:
+    """The shipped cost breakdown (python -m d3d_core.measure.costs) of one engine ("fast": fp32, the one the latency
+    model's CPU profile reads; "int4": ``--engine int4``), if any."""
+    return _asset_json("bench", f"{bundle_name}-costs{'-int4' if engine == 'int4' else ''}.json")
 
 
 def provenance(result: Optional[dict]) -> str:

@@ -51,5 +51,19 @@ def test_the_tab_reads_shipped_engine_runs_and_says_when_there_are_none():
     from d3d_core import service
 
     assert service.engine_runs("toy") == (None, {})
-    text, table, fig = engines_views("toy")
+    text, table, fig, cprov, costs = engines_views("toy")
     assert text.startswith("No engine comparison") and table.empty and "no bench result" in fig.layout.annotations[0].text
+    assert cprov == "" and "No cost breakdown" in costs.layout.annotations[0].text
+
+
+def test_the_int4_cost_breakdown_is_shown_beside_the_engines():
+    from app.ui import engines_views
+    from d3d_core import service
+
+    shipped = service.cost_breakdown("smollm2-135m", "int4")
+    assert shipped["engine"] == "int4" and service.cost_breakdown("smollm2-135m")["engine"] != "int4"
+    *_, cprov, costs = engines_views("smollm2-135m")
+    assert "int4 engine" in costs.layout.title.text and shipped["machine_info"]["cpu"].split(" (")[0] in cprov
+    step = next(r for r in shipped["rows"] if r["forward"] == "step" and r["threads"] == 2)
+    bars = {t.name: t.x[list(t.y).index("step")] for t in costs.data if t.type == "bar"}
+    assert sum(bars.values()) == __import__("pytest").approx(step["wall_ms"])

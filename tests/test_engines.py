@@ -103,6 +103,38 @@ def test_llama_cpp_peer_decodes_the_bundled_gguf(smollm):
         assert row["same_prefix"] >= 4, smollm.tokenizer.decode(peers.peer_decode(smollm, name, ids, cfg)[0])
 
 
+def test_cached_llama_models_are_closed_at_exit(monkeypatch):
+    """Cached models are closed by close_llamas (registered with atexit), so none is left to a destructor that runs
+    after llama-cpp-python's own globals are gone (it printed tracebacks after the bench's last line)."""
+    closed = []
+
+    class Model:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def close(self):
+            closed.append(self)
+            if self.fail:
+                raise RuntimeError("already gone")
+
+    monkeypatch.setattr(peers, "_LLAMAS", {"a": Model(), "b": Model(fail=True)})
+    peers.close_llamas()
+    assert len(closed) == 2 and peers._LLAMAS == {}
+
+
+@pytest.mark.skipif(not peers.llama_cpp_available(), reason="llama-cpp-python not installed (scripts/setup_venv.sh --llama-cpp)")
+def test_a_process_that_used_llama_cpp_exits_without_a_traceback(smollm):
+    import subprocess
+    import sys
+
+    code = ("import sys; from d3d_core.measure import peers; from llama_cpp import Llama; "
+            "peers._LLAMAS['k'] = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); print('loaded')")
+    r = subprocess.run([sys.executable, "-c", code, str(peers.gguf_of(smollm))], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "loaded" in r.stdout
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-600:]
+
+
 def test_each_engine_reads_its_own_cost_table(toy):
     """The verify plan's costs follow the engine: a shipped int4 table on int4, the fp32 one otherwise (and where no
     int4 table is shipped)."""

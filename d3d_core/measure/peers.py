@@ -21,6 +21,7 @@ reports how often that happens. τ is not observable through ``generate``, so it
 
 from __future__ import annotations
 
+import atexit
 import signal
 import subprocess
 import sys
@@ -108,6 +109,21 @@ def llama_cpp_broken(gguf) -> Optional[str]:
 
 
 _LLAMAS: dict = {}
+
+
+def close_llamas() -> None:
+    """Free the cached llama.cpp models while the interpreter is still whole (registered with ``atexit``). Left to the
+    garbage collector at exit, llama-cpp-python's destructor runs after its own module globals are gone and prints
+    "Exception ignored ... 'NoneType' object is not callable" tracebacks after the bench's last line."""
+    while _LLAMAS:
+        _, model = _LLAMAS.popitem()
+        try:
+            model.close()
+        except Exception:  # a model that cannot close cleanly at exit: nothing left to report it to
+            pass
+
+
+atexit.register(close_llamas)
 
 
 def _llama(gguf, threads: int, lookup: bool):

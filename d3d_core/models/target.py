@@ -221,9 +221,9 @@ class Target:
             half = self.arch.head_dim // 2
             self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (P, hd/2)
             self._perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
-            # Qwen3's per-head q / k norm weights, in the same interleaved order (None for Llama)
             # each layer's modules and norm weights, looked up once instead of per forward
             self._fast_layers = [(l, l.input_layernorm.weight, l.post_attention_layernorm.weight, l.mlp) for l in self.layers]
+            # Qwen3's per-head q / k norm weights, in the same interleaved order (None for Llama)
             self._qk_norm = [None if getattr(l.self_attn, "q_norm", None) is None else
                              (l.self_attn.q_norm.weight[self._perm], l.self_attn.k_norm.weight[self._perm]) for l in self.layers]
 
