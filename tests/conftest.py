@@ -77,6 +77,17 @@ def engine(target, name):
         target.engine_request = old
 
 
+TRAIN_PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
+
+
+def training_examples(bundle, prompts, max_new_tokens: int) -> list:
+    """The bundle target's own greedy continuations of ``prompts``, as the example dicts the trainer reads."""
+    from d3d_core.training.offline_tau import greedy_continuations
+
+    seqs = greedy_continuations(bundle, prompts, max_new_tokens)
+    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+
+
 def assert_all_modes_equal_ar(bundle, prompts, max_new_tokens=48, block_size=8):
     """At temperature 0 every drafting mode emits exactly the ``ar`` tokens on each prompt."""
     from d3d_core.decoding.config import DecodeConfig

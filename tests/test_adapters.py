@@ -4,6 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import TRAIN_PROMPTS as PROMPTS
+from conftest import training_examples
 from safetensors.torch import load_file
 
 from d3d_core.decoding.config import DecodeConfig
@@ -14,13 +16,10 @@ from d3d_core.models.drafters import DrafterConfig, SharedParts, load_drafter
 from d3d_core.training.offline_tau import greedy_continuations, load_any_drafter, offline_tau
 from d3d_core.training.train import PRESETS, train
 
-PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
-
 
 @pytest.fixture(scope="module")
 def examples(toy):
-    seqs = greedy_continuations(toy, PROMPTS, 40)
-    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+    return training_examples(toy, PROMPTS, 40)
 
 
 def adapter_cfg(toy, **over):

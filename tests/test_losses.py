@@ -6,20 +6,18 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TRAIN_PROMPTS as PROMPTS
+from conftest import training_examples
 
 from d3d_core.models.bundles import BUNDLES, init_drafter
 from d3d_core.training.losses import HeadLoss, SoftTargets, block_targets
-from d3d_core.training.offline_tau import greedy_continuations
 from d3d_core.training.softlabels import SoftLabelCache, soft_rows, target_topk
 from d3d_core.training.train import PRESETS, d3d_block_terms, d3d_loss, head_shortlist, sample_anchors, to_seq, train
-
-PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
 
 
 @pytest.fixture(scope="module")
 def examples(toy):
-    seqs = greedy_continuations(toy, PROMPTS, 40)
-    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+    return training_examples(toy, PROMPTS, 40)
 
 
 @pytest.fixture(scope="module")

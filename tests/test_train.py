@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import training_examples
 
 from d3d_core.models.drafters import load_drafter
-from d3d_core.training.offline_tau import greedy_continuations
 from d3d_core.training.train import PRESETS, d3d_loss, sample_anchors, to_seq, train
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color",
@@ -15,8 +15,7 @@ PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello th
 
 @pytest.fixture(scope="module")
 def examples(toy):
-    seqs = greedy_continuations(toy, PROMPTS, 48)
-    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+    return training_examples(toy, PROMPTS, 48)
 
 
 def _mean_block_loss(drafter, toy, examples, cfg, teacher=None):

@@ -13,21 +13,19 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import TRAIN_PROMPTS as PROMPTS
+from conftest import training_examples
 from safetensors.torch import load_file
 
 from d3d_core.models.bundles import Bundle, build_toy_target
 from d3d_core.training.distill import generate_batch
 from d3d_core.training.losses import HeadLoss
-from d3d_core.training.offline_tau import greedy_continuations
 from d3d_core.training.train import PRESETS, TrainConfig, autocast, d3d_loss, for_training, fresh_drafter, master_dtype, packed_hidden, sample_anchors, to_seq, train
-
-PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
 
 
 @pytest.fixture(scope="module")
 def examples(toy):
-    seqs = greedy_continuations(toy, PROMPTS, 32)
-    return [{"id": f"toy/{i}", "prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for i, s in enumerate(seqs)]
+    return training_examples(toy, PROMPTS, 32)
 
 
 @pytest.fixture(scope="module")
