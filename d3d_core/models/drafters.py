@@ -266,8 +266,7 @@ class Attention(nn.Module):
         else:
             k, v = k_new, v_new
         # float additive mask: bool masks are silently wrong with some kernels (DESIGN §6)
-        with record_function(fastops.ATTENTION):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=self.nkv != self.nh)
         y = y.transpose(1, 2).reshape(1, n, self.nh * self.hd)
         return fastops.linear(self.o_proj, y), (k_new, v_new)
 

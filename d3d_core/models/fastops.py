@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# profiler labels the cost breakdown (costs.py) reads; free when no profiler is running
-LM_HEAD, ATTENTION = "d3d::lm_head", "d3d::attention"
+# the profiler label the cost breakdown (costs.py) reads the LM head's GEMM by; free when no profiler is running
+LM_HEAD = "d3d::lm_head"
 _PACK_BATCH_HINT = 16  # the reorder's expected row count; measured best for 1..17 rows here
 _lock = threading.Lock()
 _state = {"enabled": os.environ.get("D3D_ENGINE", "fast").lower() != "eager", "ok": None, "why": "",

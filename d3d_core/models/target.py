@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from . import fastops, int4
 from .drafters import ArchConfig, SharedParts
-from .fastops import ATTENTION, LM_HEAD
+from .fastops import LM_HEAD
 
 ENGINES = ("fast", "eager", "int4")
 ROW_PLAN_MIN_MB = 64  # a target whose weights are smaller stays in cache; its row plan is not measured
@@ -380,15 +380,13 @@ class Target:
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
         if isinstance(mask, list):  # the int4 engine: rows grouped by their key bucket (see _attention_groups)
             ys = []
-            with record_function(ATTENTION):
-                for a, b, L, m in mask:
-                    q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
-                    ys.append(F.scaled_dot_product_attention(q[None], kc[:, :, :L], vc[:, :, :L], attn_mask=m).reshape(nh, b - a, hd))
+            for a, b, L, m in mask:
+                q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
+                ys.append(F.scaled_dot_product_attention(q[None], kc[:, :, :L], vc[:, :, :L], attn_mask=m).reshape(nh, b - a, hd))
             y = (ys[0] if len(ys) == 1 else torch.cat(ys, 1)).transpose(0, 1).reshape(n, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).reshape(nkv, g * n, hd)
-            with record_function(ATTENTION):
-                y = F.scaled_dot_product_attention(q[None], kc[:, :, : T + n], vc[:, :, : T + n], attn_mask=mask)  # (1, nkv, g*n, hd)
+            y = F.scaled_dot_product_attention(q[None], kc[:, :, : T + n], vc[:, :, : T + n], attn_mask=mask)  # (1, nkv, g*n, hd)
             y = y.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd)
         lin = q4.get("o")
         if lin is not None:
