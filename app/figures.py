@@ -690,7 +690,7 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     sub = f"{th} thread(s), {costs.get('engine', '?')} engine"
     if m:
         sub += f"; this CPU reads {m['read_gb_s']:.0f} GB/s and multiplies at {m['gemm_gflop_s']:.0f} GFLOP/s"
-    pads = row_plan_text((costs.get("row_plan") or {}).get("plan"))
+    pads = row_plan_text((costs.get("row_plan") or {}).get("plan"), (costs.get("row_plan") or {}).get("blas"))
     if pads or costs.get("drafter_int8") == "on":
         sub += "<br>" + "; ".join(x for x in (pads, "D3D drafter MLPs and head in int8" if costs.get("drafter_int8") == "on" else "") if x)
     fig.update_layout(barmode="stack", title=f"{title}<br><sup>{sub}</sup>", xaxis_title="ms per forward",
@@ -699,12 +699,25 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     return fig
 
 
-def row_plan_text(plan) -> str:
-    """"GEMMs of 2 rows run as 6, ..." for the target's measured row plan (Target.row_plan), "" when it pads nothing."""
+def row_plan_text(plan, blas=None) -> str:
+    """"GEMMs of 2 rows run as 6, ..." and "GEMMs of 1–4 rows on plain BLAS" for the target's measured row plan
+    (Target.row_plan; fastops.RowPlan), "" when it changes nothing."""
     if not isinstance(plan, (list, tuple)):
         return ""
-    pads = [f"{m} as {p}" for m, p in enumerate(plan) if m and isinstance(p, int) and p != m]
-    return ("row plan measured here: GEMMs of " + ", ".join(pads) + " rows (padding that ran faster)") if pads else ""
+    blas = [m for m in (blas or []) if isinstance(m, int)]
+    pads = [f"{m} as {p}" for m, p in enumerate(plan) if m and isinstance(p, int) and p != m and m not in blas]
+    parts = []
+    if blas:
+        runs = []  # consecutive row counts as "a–b"
+        for m in sorted(blas):
+            if runs and m == runs[-1][1] + 1:
+                runs[-1][1] = m
+            else:
+                runs.append([m, m])
+        parts.append("GEMMs of " + ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in runs) + " rows on plain BLAS (faster than oneDNN here)")
+    if pads:
+        parts.append("GEMMs of " + ", ".join(pads) + " rows (padding that ran faster)")
+    return ("row plan measured here: " + "; ".join(parts)) if parts else ""
 
 
 def overlap_text(costs: Optional[dict]) -> str:

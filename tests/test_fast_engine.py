@@ -4,6 +4,7 @@ cost breakdown / quietness records the bench and the costs command write."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import engine
 
 from d3d_core.decoding.config import DecodeConfig
@@ -295,10 +296,41 @@ def test_training_keeps_drafters_exact(toy):
 def test_row_plan_pads_only_to_a_measurably_faster_width():
     times = {1: 34.1, 2: 38.3, 3: 34.0, 4: 33.5, 5: 32.8, 6: 32.7, 7: 36.8, 8: 38.1}  # measured, AVX-512 EPYC
     plan = fastops.plan_from_times(times)
-    assert plan[2] == 6 and plan[1] == 1 and plan[7] == 7 and plan[8] == 8  # 1 -> 6 gains only 4 %
+    assert plan.rows[2] == 6 and plan.rows[1] == 1 and plan.rows[7] == 7 and plan.rows[8] == 8  # 1 -> 6 gains only 4 %
+    assert plan.blas == ()
     assert fastops.plan_from_times({m: 10.0 for m in range(1, 9)}) == fastops.IDENTITY_PLAN
-    assert fastops.plan_from_times({m: 10.0 - m for m in range(1, 9)})[1:] == (8,) * 8
-    assert fastops.fixed_plan(4)[1:] == (4, 4, 4, 4, 5, 6, 7, 8) and fastops.fixed_plan(0) == fastops.IDENTITY_PLAN
+    assert fastops.plan_from_times({m: 10.0 - m for m in range(1, 9)}).rows[1:] == (8,) * 8
+    assert fastops.fixed_plan(4).rows[1:] == (4, 4, 4, 4, 5, 6, 7, 8) and fastops.fixed_plan(0) == fastops.IDENTITY_PLAN
+
+
+def test_row_plan_takes_blas_where_it_ran_faster():
+    onednn = {1: 36.9, 2: 38.3, 3: 40.0, 4: 42.7, 5: 44.0, 6: 45.0, 7: 47.0, 8: 48.6}  # measured, AVX-512 Xeon, fp32 forward
+    blas = {1: 28.8, 2: 30.6, 3: 35.0, 4: 37.0, 5: 42.0, 6: 44.0, 7: 46.0, 8: 47.2}
+    plan = fastops.plan_from_times(onednn, blas)
+    assert plan.blas == (1, 2, 3, 4) and plan.rows == fastops.IDENTITY_ROWS  # 5..8: BLAS under 5 % faster
+    # BLAS competes with the best padded oneDNN width too: 2 rows pad to 3 when that beats BLAS at 2
+    plan = fastops.plan_from_times({1: 40.0, 2: 40.0, 3: 30.0}, {1: 36.0, 2: 35.0, 3: 35.0})
+    assert plan.rows[1] == 3 and plan.rows[2] == 3 and plan.blas == ()
+    assert plan.info() == {"plan": list(plan.rows), "blas": []}
+    assert fastops.BLAS_PLAN.onednn() == fastops.IDENTITY_PLAN and fastops.fixed_plan(4).onednn() == fastops.fixed_plan(4)
+
+
+def test_blas_rows_equal_onednn_rows(toy):
+    """The plain BLAS GEMM (a (K, N) copy of the fused weight, after prep) computes what the prepacked one does,
+    bias included, and is rebuilt when the weight changes in place."""
+    lin = torch.nn.Linear(32, 48)
+    prep = lambda w, b: (w.flip(0), b.flip(0))  # noqa: E731 (a row reorder, as q|k|v's)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        a = fastops.packed_linear(lin, "w", [lin.weight], [lin.bias], x, prep)
+        b = fastops.packed_linear(lin, "w", [lin.weight], [lin.bias], x, prep, plan=fastops.BLAS_PLAN)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(b, F.linear(x, lin.weight, lin.bias).flip(-1), atol=1e-5)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        c = fastops.packed_linear(lin, "w", [lin.weight], [lin.bias], x, prep, plan=fastops.BLAS_PLAN)
+    assert torch.allclose(c, F.linear(x, lin.weight, lin.bias).flip(-1), atol=1e-5)
+    assert fastops.drop_blas(lin) == 32 * 48 * 4 and fastops.drop_blas(lin) == 0
 
 
 def test_padded_rows_change_no_real_row(toy):
@@ -310,12 +342,12 @@ def test_padded_rows_change_no_real_row(toy):
     assert padded.shape == (2, 48) and torch.allclose(plain, padded, atol=1e-5)
 
 
-@pytest.mark.parametrize("floor", ["4", "off"])
+@pytest.mark.parametrize("floor", ["4", "off", "blas"])
 def test_every_mode_equals_ar_under_a_row_plan(toy, monkeypatch, floor):
     """The row plan is the target's, fixed before its first forward: AR and every drafting mode pad alike."""
     monkeypatch.setenv("D3D_ROW_PLAN", floor)
     monkeypatch.setattr(toy.target, "_row_plan", None)
-    assert toy.target.row_plan() == (fastops.fixed_plan(4) if floor == "4" else fastops.IDENTITY_PLAN)
+    assert toy.target.row_plan() == {"4": fastops.fixed_plan(4), "off": fastops.IDENTITY_PLAN, "blas": fastops.BLAS_PLAN}[floor]
     assert toy.target.row_plan_info["setting"] == floor
     ref = decode(toy, "count: 1, 2, 3", DecodeConfig(mode="ar", max_new_tokens=24, block_size=4))
     for mode in MODES[1:]:

@@ -240,6 +240,9 @@ def test_cost_breakdown_figure_names_the_row_plan_and_the_int8_drafter():
     assert all(f"{m} as {p}" in text for m, p in enumerate(plan) if m and p != m)
     assert figures.row_plan_text(list(range(9))) == "" and figures.row_plan_text(None) == ""
     assert figures.row_plan_text([0, 1, 6, 3, 4, 5, 6, 7, 8]).endswith("GEMMs of 2 as 6 rows (padding that ran faster)")
+    assert figures.row_plan_text(list(range(9)), [1, 2, 3, 5]) == (
+        "row plan measured here: GEMMs of 1–3, 5 rows on plain BLAS (faster than oneDNN here)")
+    assert "2 as 6" not in figures.row_plan_text([0, 1, 6, 3, 4, 5, 6, 7, 8], [2])
 
 
 # ----------------------------------------------------------------------------- issue 33, item 4: one accounting, one palette

@@ -7,6 +7,9 @@ at 8; the 576 → 3072 MLP projection 0.26 and 1.41 ms). oneDNN with the weight 
 into its blocked layout ("prepacked") took 6.3 / 9.2 ms and 0.20 / 0.35 ms. This module keeps
 one prepacked copy per ``nn.Linear`` (or per fused group of them, e.g. q|k|v), rebuilt only when
 the weight changes (its version counter moves), and uses it wherever no gradient is needed.
+Which library wins at one to a few rows depends on the CPU, so the target's GEMMs follow a row plan
+measured per machine (:class:`RowPlan`, below): on the AVX-512 Intel Xeon MKL's plain sgemm on a (K, N)
+copy of the weight streamed the layers' weights about 1.5× as fast as oneDNN at one row.
 
 The path is taken only where it can run: CPU, float32, oneDNN present, no autograd, and a
 self-test call that succeeded once. Elsewhere (CUDA, bf16, training, another platform) every call
@@ -29,6 +32,7 @@ import functools
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -164,7 +168,7 @@ def exact(fn):
 def _int8(owner: nn.Module) -> bool:
     """Run this owner's linear in int8? Called per linear on the fast path (which the caller has already
     checked), so it reads the cached self-test result instead of building :func:`int8_status`."""
-    return (getattr(owner, "_d3d_int8", False) and _state["int8"] and not getattr(_local, "exact", False)
+    return (owner.__dict__.get("_d3d_int8", False) and _state["int8"] and not getattr(_local, "exact", False)
             and _passed("int8_ok", "int8_why", _int8_self_test))
 
 
@@ -232,44 +236,120 @@ def row_bucket(m: int) -> int:
 # oneDNN's kernel for a GEMM depends on its row count, and a few more rows can cost less than fewer:
 # on the AVX-512 AMD EPYC (2 threads) the target's forward over 2 rows took 38–43 ms and over 3 to 6
 # rows 33–39 ms (the 2-row kernels stream the weights more slowly); on the AVX2 EPYC verify(2) was
-# cheaper than verify(4). So the plan is measured on each machine, once per process, on the target's
-# own forward before its first real one (Target.row_plan): every row count m <= ROW_PLAN_MAX runs at
-# the m' >= m whose forward was fastest, if it was at least ROW_PLAN_GAIN faster. Padding adds rows
-# and changes no real row's inputs; it may change float rounding (another kernel), the same way in
-# every mode, so AR and the drafting modes still run identical arithmetic.
+# cheaper than verify(4). And at one or two rows oneDNN's prepacked kernel can be the slower library:
+# on the AVX-512 Intel Xeon (2 threads) the 30 layers' GEMMs streamed their weights at about 27 GB/s
+# through oneDNN against about 40 through MKL's plain sgemm, a one-row forward 37 ms against 29. So the
+# plan is measured on each machine, once per process, on the target's own forward before its first
+# real one (Target.row_plan): every row count m <= ROW_PLAN_MAX runs either through oneDNN at the
+# m' >= m whose forward was fastest or through plain BLAS (``torch.mm`` on a (K, N) copy of the
+# weight) at m, whichever was fastest, when it was at least ROW_PLAN_GAIN faster than oneDNN at m.
+# Padding adds rows and changes no real row's inputs; a wider kernel or the other library may change
+# float rounding (last bits of fp32), the same way in every mode: the plan is fixed before the first
+# forward, so AR and every drafting mode run the same kernels at each row count.
 
 ROW_PLAN_MAX = 8  # row counts the plan may pad (a step, short verifies, drafter commits)
-ROW_PLAN_GAIN = 0.05  # pad only when the wider forward was at least 5 % faster
-IDENTITY_PLAN = tuple(range(ROW_PLAN_MAX + 1))  # plan[m] = rows a GEMM of m rows runs at (index 0 unused)
+ROW_PLAN_GAIN = 0.05  # leave oneDNN at m rows only for a forward at least 5 % faster
+IDENTITY_ROWS = tuple(range(ROW_PLAN_MAX + 1))  # rows[m] = m (index 0 unused)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the fast engine runs a GEMM of m <= ROW_PLAN_MAX rows: through the plain BLAS GEMM when m is in
+    ``blas``, else through oneDNN's prepacked kernel at ``rows[m]`` >= m rows (zero rows padded, dropped after).
+    Larger row counts run through oneDNN at ``row_bucket(m)``."""
+
+    rows: tuple = IDENTITY_ROWS
+    blas: tuple = ()
+
+    def info(self) -> dict:
+        return {"plan": list(self.rows), "blas": list(self.blas)}
+
+    def onednn(self) -> "RowPlan":
+        """This plan with every row count on oneDNN (for a GEMM that stays there, e.g. the LM head)."""
+        return _onednn_only(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _onednn_only(plan: RowPlan) -> RowPlan:
+    return RowPlan(plan.rows) if plan.blas else plan
+
+
+IDENTITY_PLAN = RowPlan()  # oneDNN at every row count, unpadded
 
 
 def row_plan_setting() -> str:
-    """``D3D_ROW_PLAN``: "auto" (measure, the default), "off" (never pad), or an integer F (pad every
-    row count below F up to F)."""
+    """``D3D_ROW_PLAN``: "auto" (measure, the default), "off" (oneDNN, never pad), "blas" (plain BLAS for every
+    m <= ROW_PLAN_MAX), or an integer F (oneDNN, every row count below F padded up to F)."""
     return os.environ.get("D3D_ROW_PLAN", "auto").strip().lower() or "auto"
 
 
-def plan_from_times(times: dict, gain: float = ROW_PLAN_GAIN) -> tuple:
-    """{m: ms of a forward over m rows} for m = 1..ROW_PLAN_MAX -> plan[m] = the m' >= m with the least
-    time, when it beats m by ``gain``; else m."""
-    plan = list(IDENTITY_PLAN)
+def plan_from_times(times: dict, blas_times: Optional[dict] = None, gain: float = ROW_PLAN_GAIN) -> RowPlan:
+    """{m: ms of a forward over m rows through oneDNN} for m = 1..ROW_PLAN_MAX (and the same through plain BLAS,
+    if measured) -> the plan: for each m the fastest of oneDNN at any m' >= m and BLAS at m, when it beats oneDNN
+    at m by ``gain``; else oneDNN at m."""
+    rows, blas = list(IDENTITY_ROWS), []
+    blas_times = blas_times or {}
     for m in range(1, ROW_PLAN_MAX + 1):
-        best = min((k for k in times if k >= m), key=lambda k: (times[k], k), default=m)
-        if m in times and times[best] < (1 - gain) * times[m]:
-            plan[m] = best
-    return tuple(plan)
+        if m not in times:
+            continue
+        best = min((k for k in times if k >= m), key=lambda k: (times[k], k))
+        best_ms = times[best]
+        if m in blas_times and blas_times[m] < best_ms:
+            best, best_ms = "blas", blas_times[m]
+        if best_ms < (1 - gain) * times[m]:
+            if best == "blas":
+                blas.append(m)
+            else:
+                rows[m] = best
+    return RowPlan(tuple(rows), tuple(blas))
 
 
-def fixed_plan(floor: int) -> tuple:
+def fixed_plan(floor: int) -> RowPlan:
     floor = max(1, min(int(floor), ROW_PLAN_MAX))
-    return tuple(max(m, floor) if m else 0 for m in IDENTITY_PLAN)
+    return RowPlan(tuple(max(m, floor) if m else 0 for m in IDENTITY_ROWS))
+
+
+BLAS_PLAN = RowPlan(blas=tuple(range(1, ROW_PLAN_MAX + 1)))  # D3D_ROW_PLAN=blas: plain BLAS for every m <= ROW_PLAN_MAX
+
+
+def _blas_weight(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], prep=None):
+    """(W^T as a contiguous (K, N) fp32 copy, bias) of ``weights`` concatenated along rows (after ``prep``), cached on
+    ``owner`` beside the oneDNN pack and rebuilt when a weight changes: ``x @ W^T`` is MKL's sgemm without a transpose."""
+    key = key + "#blas"
+    sig = tuple(_sig(w) for w in weights) + tuple(_sig(b) for b in biases)
+    cache = owner.__dict__.setdefault("_d3d_packed", {})
+    hit = cache.get(key)
+    if hit is not None and hit[0] == sig:
+        return hit[1], hit[2]
+    with torch.inference_mode():
+        w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights], 0)
+        if any(b is not None for b in biases):
+            b = torch.cat([(b.detach() if b is not None else w.new_zeros(wt.shape[0])) for b, wt in zip(biases, weights)])
+        else:
+            b = None
+        if prep is not None:
+            w, b = prep(w, b)
+        wt = w.t().contiguous()
+    cache[key] = (sig, wt, b)
+    return wt, b
+
+
+def drop_blas(module: nn.Module) -> int:
+    """Free the BLAS copies cached under ``module`` (a plan that runs no row count on BLAS needs none); bytes freed."""
+    freed = 0
+    for m in module.modules():
+        cache = m.__dict__.get("_d3d_packed")
+        for k in [k for k in (cache or {}) if k.endswith("#blas")]:
+            freed += cache[k][1].numel() * cache[k][1].element_size()
+            del cache[k]
+    return freed
 
 
 def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None,
-                  plan: Optional[tuple] = None) -> torch.Tensor:
+                  plan: Optional[RowPlan] = None) -> torch.Tensor:
     """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
-    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``, and
-    small row counts to ``plan[m]`` when a row plan is given (see above).
+    chose the fast engine already checked :func:`enabled`). Rows are padded to ``row_bucket``; a row plan
+    (see above) runs small row counts through plain BLAS or pads them to ``plan.rows[m]``.
     Owners marked with :func:`mark_int8` run the dynamic int8 linear instead (no per-shape primitives
     to bound, so no padding)."""
     lead = x.shape[:-1]
@@ -277,10 +357,14 @@ def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], b
         qp, _ = _packed(owner, key, weights, biases, prep, int8=True)
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).contiguous(), qp)
         return y.reshape(*lead, y.shape[-1])
-    wp, b = _packed(owner, key, weights, biases, prep)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    mb = plan[m] if plan is not None and m < len(plan) else row_bucket(m)
+    if plan is not None and m in plan.blas:
+        wt, b = _blas_weight(owner, key, weights, biases, prep)
+        y = torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
+        return y.reshape(*lead, y.shape[-1])
+    wp, b = _packed(owner, key, weights, biases, prep)
+    mb = plan.rows[m] if plan is not None and m < len(plan.rows) else row_bucket(m)
     if mb != m:
         x2 = torch.cat([x2, x2.new_zeros(mb - m, x2.shape[1])])
     y = torch.ops.mkldnn._linear_pointwise(x2, wp, b, "none", [], "")

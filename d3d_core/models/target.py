@@ -6,8 +6,9 @@ Two engines behind one interface (``Target.forward``), chosen per cache:
   weights — q|k|v and gate|up fused into one prepacked oneDNN GEMM each (``fastops``), a
   preallocated KV cache written in place (rollback moves a length, nothing is copied), RoPE
   tables computed once, GQA attention as one SDPA call per KV head group, and the LM head
-  only on the rows whose logits are asked for, and small row counts padded by a row plan measured
-  on this machine (``Target.row_plan``). Every mode, ``ar`` included, runs through it.
+  only on the rows whose logits are asked for; small row counts follow a row plan measured on this
+  machine (``Target.row_plan``: oneDNN padded to a faster width, or plain BLAS). Every mode, ``ar``
+  included, runs through it.
 - **int4**: the fast forward with every decoder-layer linear and the LM head run from 4-bit weights taken from
   the bundled GGUF's blocks through torch's int4 CPU kernel (``int4``; ``D3D_ENGINE=int4`` / ``engine="int4"``).
 - **eager**: the Hugging Face model with its ``DynamicCache`` (GPU, other architectures, or
@@ -45,6 +46,43 @@ ATTN_BUCKET_ROWS = 64  # forwards over more rows (long prefills, identical in ev
 class TargetOutput:
     logits: torch.Tensor  # (n, V) float32, one row per fed position (the last n)
     feats: Optional[torch.Tensor]  # (1, n_fed, k*H) hidden states of the chosen layers, or None
+
+
+@dataclass(frozen=True)
+class _FastLinear:
+    """One fp32 GEMM of the fast forward (``fastops.packed_linear``), its weights and biases looked up once."""
+
+    owner: torch.nn.Module  # where the packed / BLAS copies are cached
+    key: str
+    weights: tuple
+    biases: tuple
+    prep: object = None  # reorders the concatenated rows once (q|k|v: the rotary halves interleaved)
+
+    def __call__(self, x: torch.Tensor, plan) -> torch.Tensor:
+        return fastops.packed_linear(self.owner, self.key, self.weights, self.biases, x, self.prep, plan)
+
+
+@dataclass(frozen=True)
+class _FastLayer:
+    """A decoder layer's parts as the fast forward uses them, looked up once (no nn.Module attribute walk per forward)."""
+
+    attn: torch.nn.Module
+    ln1: torch.Tensor  # input RMSNorm weight
+    ln2: torch.Tensor  # post-attention RMSNorm weight
+    qkv: _FastLinear  # q|k|v fused, rotary halves interleaved
+    o: _FastLinear
+    gate_up: _FastLinear  # gate|up fused
+    down: _FastLinear
+
+    @classmethod
+    def of(cls, layer, prep_qkv) -> "_FastLayer":
+        a, mlp = layer.self_attn, layer.mlp
+        return cls(a, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                   _FastLinear(a, "qkv_rope", (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+                               prep_qkv),
+                   _FastLinear(a.o_proj, "w", (a.o_proj.weight,), (a.o_proj.bias,)),
+                   _FastLinear(mlp, "gate_up", (mlp.gate_proj.weight, mlp.up_proj.weight), (mlp.gate_proj.bias, mlp.up_proj.bias)),
+                   _FastLinear(mlp.down_proj, "w", (mlp.down_proj.weight,), (mlp.down_proj.bias,)))
 
 
 class StaticKV:
@@ -222,7 +260,7 @@ class Target:
             self._freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (P, hd/2)
             self._perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
             # each layer's modules and norm weights, looked up once instead of per forward
-            self._fast_layers = [(l, l.input_layernorm.weight, l.post_attention_layernorm.weight, l.mlp) for l in self.layers]
+            self._fast_layers = [_FastLayer.of(l, self._prep_qkv) for l in self.layers]
             # Qwen3's per-head q / k norm weights, in the same interleaved order (None for Llama)
             self._qk_norm = [None if getattr(l.self_attn, "q_norm", None) is None else
                              (l.self_attn.q_norm.weight[self._perm], l.self_attn.k_norm.weight[self._perm]) for l in self.layers]
@@ -233,7 +271,7 @@ class Target:
         idx = torch.cat([h * hd + self._perm for h in range(n_qk)] + [torch.arange(n_qk * hd, w.shape[0])])
         return w[idx], (b[idx] if b is not None else None)
 
-    def row_plan(self) -> tuple:
+    def row_plan(self) -> fastops.RowPlan:
         """The row plan this target's fast forward pads small row counts by (``plan[m]``: the rows a
         GEMM of m rows runs at; see fastops), fixed before the first fast forward so every forward of
         the process, in every mode, runs the same kernels. ``row_plan_info`` says how it was chosen."""
@@ -244,49 +282,56 @@ class Target:
                     self._row_plan = plan
         return self._row_plan
 
-    def _choose_row_plan(self) -> tuple:
+    def _choose_row_plan(self) -> tuple:  # (RowPlan, info)
         setting = fastops.row_plan_setting()
         if setting == "off":
-            return fastops.IDENTITY_PLAN, {"setting": "off", "plan": list(fastops.IDENTITY_PLAN), "why": "D3D_ROW_PLAN=off"}
+            return fastops.IDENTITY_PLAN, {"setting": "off", **fastops.IDENTITY_PLAN.info(), "why": "D3D_ROW_PLAN=off: oneDNN at every row count"}
+        if setting == "blas":
+            return fastops.BLAS_PLAN, {"setting": "blas", **fastops.BLAS_PLAN.info(),
+                                       "why": f"D3D_ROW_PLAN=blas: plain BLAS up to {fastops.ROW_PLAN_MAX} rows"}
         if setting.isdigit():
             plan = fastops.fixed_plan(int(setting))
-            return plan, {"setting": setting, "plan": list(plan), "why": f"D3D_ROW_PLAN={setting}: every row count below it runs at it"}
+            return plan, {"setting": setting, **plan.info(), "why": f"D3D_ROW_PLAN={setting}: every row count below it runs at it"}
         weight_mb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20
         if weight_mb < ROW_PLAN_MIN_MB:  # a toy target sits in cache: its timings would be noise
-            return fastops.IDENTITY_PLAN, {"setting": "auto", "plan": list(fastops.IDENTITY_PLAN),
+            return fastops.IDENTITY_PLAN, {"setting": "auto", **fastops.IDENTITY_PLAN.info(),
                                            "why": f"weights ({weight_mb:.0f} MB) under {ROW_PLAN_MIN_MB} MB: not measured"}
         key = (self.config.model_type, self.arch, torch.get_num_threads())
         if key not in _ROW_PLANS:
             _ROW_PLANS[key] = self._measure_row_plan()
+        plan = _ROW_PLANS[key][0]
+        if not plan.blas:  # the measurement built BLAS copies of every weight; a plan that never uses them frees them
+            fastops.drop_blas(self.model)
         return _ROW_PLANS[key]
 
-    def _measure_row_plan(self, ctx: int = 64, repeats: int = 4) -> tuple:
-        """Time this target's fast forward over m = 1..ROW_PLAN_MAX rows (unpadded, after a ``ctx``-token
-        prefill that also packs every weight; widths interleaved, the fastest of ``repeats``: other work on
-        the machine only ever adds time) and pad each m to the wider forward that ran fastest
-        (fastops.plan_from_times)."""
+    def _measure_row_plan(self, ctx: int = 64, repeats: int = 4) -> tuple:  # (RowPlan, info)
+        """Time this target's fast forward over m = 1..ROW_PLAN_MAX rows through oneDNN (unpadded) and through plain
+        BLAS, after a ``ctx``-token prefill that also packs every weight (widths and libraries interleaved, the
+        fastest of ``repeats``: other work on the machine only ever adds time), and give each m the forward that ran
+        fastest (fastops.plan_from_times)."""
         t0 = time.perf_counter()
-        unpadded = fastops.IDENTITY_PLAN
         cache = self.new_cache()
         cache.int4 = None  # the plan is the fp32 engine's, whatever engine new caches get now
         ids = torch.arange(ctx + fastops.ROW_PLAN_MAX) % self.arch.vocab_size
-        self._forward_fast(cache, ids[:ctx], 1, (), unpadded)
-        times = {m: [] for m in range(1, fastops.ROW_PLAN_MAX + 1)}
-        for rep in range(repeats + 1):  # the first pass builds each shape's kernels and is not counted
-            for m in times:
+        self._forward_fast(cache, ids[:ctx], 1, (), fastops.IDENTITY_PLAN)
+        plans = {"onednn": fastops.IDENTITY_PLAN, "blas": fastops.BLAS_PLAN}
+        times = {(lib, m): [] for m in range(1, fastops.ROW_PLAN_MAX + 1) for lib in plans}
+        for rep in range(repeats + 1):  # the first pass builds each shape's kernels (and the BLAS copies): not counted
+            for lib, m in times:
                 t1 = time.perf_counter()
-                self._forward_fast(cache, ids[ctx : ctx + m], m, (), unpadded)
+                self._forward_fast(cache, ids[ctx : ctx + m], m, (), plans[lib])
                 if rep:
-                    times[m].append((time.perf_counter() - t1) * 1e3)
+                    times[(lib, m)].append((time.perf_counter() - t1) * 1e3)
                 cache.length = ctx
-        best = {m: min(t) for m, t in times.items()}
-        plan = fastops.plan_from_times(best)
-        return plan, {"setting": "auto", "plan": list(plan), "forward_ms": best, "threads": torch.get_num_threads(),
-                      "calibrate_ms": (time.perf_counter() - t0) * 1e3,
-                      "why": "measured: this target's forward over 1..8 rows on this machine (Target.row_plan)"}
+        best = {lib: {m: min(times[(lib, m)]) for m in range(1, fastops.ROW_PLAN_MAX + 1)} for lib in plans}
+        plan = fastops.plan_from_times(best["onednn"], best["blas"])
+        return plan, {"setting": "auto", **plan.info(), "forward_ms": best["onednn"], "blas_forward_ms": best["blas"],
+                      "threads": torch.get_num_threads(), "calibrate_ms": (time.perf_counter() - t0) * 1e3,
+                      "why": "measured: this target's forward over 1..8 rows through oneDNN and plain BLAS on this machine "
+                             "(Target.row_plan)"}
 
     def _forward_fast(self, cache: StaticKV, ids: torch.Tensor, n_logits: int, feature_layers: tuple,
-                      plan: Optional[tuple] = None) -> TargetOutput:
+                      plan: Optional[fastops.RowPlan] = None) -> TargetOutput:
         w4 = cache.int4  # the int4 engine's weights, or None (fp32): int4 GEMMs compute each row alone, no row plan
         if w4 is None:
             plan = plan or self.row_plan()
@@ -304,24 +349,21 @@ class Target:
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
             mask = mask.repeat(self.arch.num_attention_heads // self.arch.num_key_value_heads, 1)  # one row per stacked query head
         feats = {}
-        for i, (layer, ln1, ln2, mlp) in enumerate(self._fast_layers):
+        for i, fl in enumerate(self._fast_layers):
             q4 = w4.layers[i] if w4 is not None else _NO_INT4
-            h = F.rms_norm(x, H, ln1, eps)
-            x = x + self._attention(layer.self_attn, h, cache, i, T, rot, mask, plan, q4)
-            h = F.rms_norm(x, H, ln2, eps)
+            h = F.rms_norm(x, H, fl.ln1, eps)
+            x = x + self._attention(fl, h, cache, i, T, rot, mask, plan, q4)
+            h = F.rms_norm(x, H, fl.ln2, eps)
             lin = q4.get("gate_up")
             if lin is not None:  # bf16 out; silu and the product in fp32 (bf16 * fp32 promotes), rounded to bf16 once by down
                 gate, up = lin(h).chunk(2, dim=-1)
                 act = F.silu(gate.float(), inplace=True).mul_(up)
             else:
-                gu = fastops.packed_linear(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], h,
-                                           plan=plan)
-                gate, up = gu.chunk(2, dim=-1)
+                gate, up = fl.gate_up(h, plan).chunk(2, dim=-1)
                 act = F.silu(gate) * up
             lin = q4.get("down")
             # the residual stream stays fp32 (fp32 + bf16 promotes)
-            x = x + (lin(act) if lin is not None else fastops.packed_linear(mlp.down_proj, "w", [mlp.down_proj.weight], [mlp.down_proj.bias], act,
-                                                                             plan=plan))
+            x = x + (lin(act) if lin is not None else fl.down(act, plan))
             if i in feature_layers:
                 feats[i] = x
         cache.length = T + n
@@ -330,7 +372,8 @@ class Target:
             if w4 is not None and w4.head is not None:
                 logits = w4.head(h)  # (n_logits, V) bf16
             else:
-                logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan)  # (n_logits, V)
+                # the head stays on oneDNN (BLAS was no faster for it at 1 row and slower at more, on the Xeon)
+                logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan.onednn())  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
 
@@ -353,7 +396,7 @@ class Target:
             a = b
         return out
 
-    def _attention(self, attn, x, cache: StaticKV, i: int, T: int, rot, mask, plan: tuple, q4: dict = None):
+    def _attention(self, fl: "_FastLayer", x, cache: StaticKV, i: int, T: int, rot, mask, plan: fastops.RowPlan, q4: dict = None):
         """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1. ``q4``: this layer's int4
         linears (the int4 engine; the output may then be bf16)."""
         n = x.shape[0]
@@ -363,16 +406,15 @@ class Target:
         if lin is not None:
             qkv = lin(x).float()  # RoPE's complex multiply and the fp32 KV cache want fp32
         else:
-            qkv = fastops.packed_linear(attn, "qkv_rope", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], x, self._prep_qkv, plan=plan)
+            qkv = fl.qkv(x, plan)
         qn = self._qk_norm[i]
         if qn is None:  # RoPE in place on qkv's q|k columns: one complex multiply, no copy
             qk = qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
             torch.view_as_complex(qk.view(n, nh + nkv, hd // 2, 2)).mul_(rot)
         else:  # Qwen3: per-head RMSNorm before RoPE
             qk = qkv[:, : (nh + nkv) * hd].reshape(n, nh + nkv, hd)
-            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qn[0], attn.q_norm.variance_epsilon),
-                            F.rms_norm(qk[:, nh:], (hd,), qn[1], attn.k_norm.variance_epsilon)], 1)
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qn[0], fl.attn.q_norm.variance_epsilon),
+                            F.rms_norm(qk[:, nh:], (hd,), qn[1], fl.attn.k_norm.variance_epsilon)], 1)
             qk = torch.view_as_real(torch.view_as_complex(qk.reshape(n, nh + nkv, hd // 2, 2)) * rot).reshape(n, nh + nkv, hd)
         kc, vc = cache.k[i], cache.v[i]  # (1, nkv, capacity, hd)
         kc[0, :, T : T + n] = qk[:, nh:].transpose(0, 1)
@@ -391,7 +433,7 @@ class Target:
         lin = q4.get("o")
         if lin is not None:
             return lin(y)
-        return fastops.packed_linear(attn.o_proj, "w", [attn.o_proj.weight], [attn.o_proj.bias], y, plan=plan)
+        return fl.o(y, plan)
 
     # ------------------------------------------------------------------ the decode API
 
