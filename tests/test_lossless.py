@@ -42,13 +42,23 @@ def test_pruned_drafter_stays_lossless(toy):
 
 
 @pytest.mark.slow
-def test_real_bundle_all_modes_equal_ar(smollm):
+@pytest.mark.parametrize("plan", ["measured", "blas"])
+def test_real_bundle_all_modes_equal_ar(smollm, monkeypatch, plan):
+    """On the machine's own row plan, and with every small row count forced onto plain BLAS (which a machine whose
+    plan keeps oneDNN would otherwise never run on the real bundle): steps and verifies then mix libraries."""
+    from d3d_core.models import fastops
+
+    if plan == "blas":
+        smollm.target.row_plan()  # measured first, so the forced plan is not overwritten
+        monkeypatch.setattr(smollm.target, "_row_plan", fastops.BLAS_PLAN)
     prompts = [
         "What is 17 times 23? Think step by step.",
         "Write a Python function that reverses a string.",
         "Give me three tips for a good night's sleep.",
     ]
     assert_all_modes_equal_ar(smollm, prompts)
+    if plan == "blas" and not smollm.target.row_plan_info.get("blas"):
+        fastops.drop_blas(smollm.target.model)  # the measured plan needs no BLAS copies: give their memory back
 
 
 def test_shortlisted_drafters_stay_lossless(toy):

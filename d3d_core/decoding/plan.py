@@ -2,7 +2,8 @@
 
 A drafted block holds B-1 drafts, but checking them is not free. On a CPU a verify over k tokens
 costs more than a step as k grows (measured on a 2-core AVX2 EPYC: verify(4) ≈ 1.14 steps,
-verify(8) ≈ 1.5; on the AVX-512 EPYC about 1 step up to k = 6 and 1.18 at 8), and a weak drafter's late drafts are rarely accepted: the 6th draft of a block is
+verify(8) ≈ 1.5; on the AVX-512 EPYC about 1 step up to k = 6 and 1.18 at 8; on the AVX-512 Xeon, whose
+step runs on plain BLAS, 1.25 at 4 and 1.42 at 8), and a weak drafter's late drafts are rarely accepted: the 6th draft of a block is
 only reached when the first five were all right. So the engine verifies the prefix that pays:
 
     k* = argmax_k  E[tokens | verify k] / (draft + verify(k)),   k = 1..B
