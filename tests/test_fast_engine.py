@@ -358,3 +358,31 @@ def test_a_toy_target_is_too_small_to_measure(toy, monkeypatch):
     monkeypatch.delenv("D3D_ROW_PLAN", raising=False)
     monkeypatch.setattr(toy.target, "_row_plan", None)
     assert toy.target.row_plan() == fastops.IDENTITY_PLAN and "not measured" in toy.target.row_plan_info["why"]
+
+
+@pytest.mark.parametrize("plan", ["blas", "off"])
+def test_the_forward_follows_an_in_place_weight_change(toy, monkeypatch, plan):
+    """Each layer's GEMM keeps the weight copy it last used (oneDNN pack or BLAS transpose) only while the weights'
+    version counters stand still: an in-place change is seen by the next forward, and undoing it restores the bits."""
+    t = toy.target
+    monkeypatch.setattr(t, "_row_plan", fastops.BLAS_PLAN if plan == "blas" else fastops.IDENTITY_PLAN)
+    ids = torch.tensor([5, 9, 11])
+
+    def logits():
+        c = t.new_cache()
+        with torch.inference_mode():
+            return t.forward(c, ids, 3).logits
+
+    before = logits()
+    w = t.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w.mul_(0.5)
+    try:
+        changed = logits()
+    finally:
+        with torch.no_grad():
+            w.mul_(2)  # exact: a power of two
+    assert not torch.equal(before, changed) and torch.equal(logits(), before)
+    if plan == "blas":
+        assert t.drop_blas() > 0 and not any("blas" in fl.down.held for fl in t._fast_layers)
+        assert torch.equal(logits(), before)  # rebuilt on demand

@@ -58,7 +58,7 @@ def test_real_bundle_all_modes_equal_ar(smollm, monkeypatch, plan):
     ]
     assert_all_modes_equal_ar(smollm, prompts)
     if plan == "blas" and not smollm.target.row_plan_info.get("blas"):
-        fastops.drop_blas(smollm.target.model)  # the measured plan needs no BLAS copies: give their memory back
+        smollm.target.drop_blas()  # the measured plan needs no BLAS copies: give their memory back
 
 
 def test_shortlisted_drafters_stay_lossless(toy):

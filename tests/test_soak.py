@@ -26,7 +26,7 @@ def test_four_hundred_races_no_trend_in_memory_threads_files_or_temp_files(tmp_p
     # the leaks the soak found cost 4.0 MiB a race (oneDNN shapes), 0.8 (a plot component kept per race) and ~0.3
     # (oneDNN / ideep kernel caches filling with every prompt length), all fixed; the bar: < 2 % and < 0.2 MiB a race
     assert v["rss_growth"] < 0.02 and v["rss_mib_per_race"] < 0.2, v
-    assert v["trends"]["threads"]["growth"] <= 3 and v["trends"]["fds"]["growth"] <= 4, v["trends"]
+    assert v["pass"]["threads_flat"] and v["pass"]["fds_flat"], v["trends"]
     assert v["temp_files_end"] <= v["temp_files_bound"], v
     assert all(v["pass"].values()), v["pass"]
     assert max(age for age, _ in doc["oldest_temp_files"]) < cfg.temp_max_age_s + 15  # stray upload files are swept too
@@ -143,6 +143,14 @@ def test_a_thread_or_fd_leak_fails_and_a_pool_that_grows_then_holds_passes():
         assert _judge(burst, 400)["pass"]["threads_flat"], r0
         held = [dict(r, threads=r["threads"] + (2 if r["races"] >= 200 else 0)) for r in win]
         assert _judge(held, 400)["pass"]["threads_flat"], r0
+        # a count that wanders up and back (the suite's soak once fitted +3.03 threads over 300 races: 15 after warm-up,
+        # 19 at most, 16 at the end): a slope, but nothing kept
+        wander = [dict(r, threads=r["threads"] + (5 if 230 <= r["races"] < 345 else 0)) for r in win]
+        assert _judge(wander, 400)["pass"]["threads_flat"], r0
+    from app.soak import _bounded
+
+    assert _bounded({"growth": 3.03, "end_gain": 1.0}, 3) and _bounded({"growth": 1.0, "end_gain": 5.0}, 3)
+    assert not _bounded({"growth": 3.5, "end_gain": 3.5}, 3) and not _bounded(None, 3)
 
 
 def test_the_verdict_on_synthetic_series_noise_passes_a_linear_leak_fails():

@@ -345,6 +345,21 @@ def drop_blas(module: nn.Module) -> int:
     return freed
 
 
+def run_blas(wt: torch.Tensor, b: Optional[torch.Tensor], x2: torch.Tensor) -> torch.Tensor:
+    """(m, K) @ (K, N) (+ bias) through plain BLAS."""
+    return torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
+
+
+def run_onednn(wp: torch.Tensor, b: Optional[torch.Tensor], x2: torch.Tensor, plan: Optional[RowPlan] = None) -> torch.Tensor:
+    """(m, K) through a prepacked oneDNN weight, rows padded to ``plan.rows[m]`` (small m) or ``row_bucket(m)``."""
+    m = x2.shape[0]
+    mb = plan.rows[m] if plan is not None and m < len(plan.rows) else row_bucket(m)
+    if mb != m:
+        x2 = torch.cat([x2, x2.new_zeros(mb - m, x2.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(x2, wp, b, "none", [], "")
+    return y[:m] if mb != m else y
+
+
 def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], x: torch.Tensor, prep=None,
                   plan: Optional[RowPlan] = None) -> torch.Tensor:
     """``x @ cat(weights).T (+ bias)`` through the prepacked kernel, unconditionally (callers that
@@ -358,17 +373,11 @@ def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], b
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).contiguous(), qp)
         return y.reshape(*lead, y.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    if plan is not None and m in plan.blas:
-        wt, b = _blas_weight(owner, key, weights, biases, prep)
-        y = torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
-        return y.reshape(*lead, y.shape[-1])
-    wp, b = _packed(owner, key, weights, biases, prep)
-    mb = plan.rows[m] if plan is not None and m < len(plan.rows) else row_bucket(m)
-    if mb != m:
-        x2 = torch.cat([x2, x2.new_zeros(mb - m, x2.shape[1])])
-    y = torch.ops.mkldnn._linear_pointwise(x2, wp, b, "none", [], "")
-    return (y[:m] if mb != m else y).reshape(*lead, y.shape[-1])
+    if plan is not None and x2.shape[0] in plan.blas:
+        y = run_blas(*_blas_weight(owner, key, weights, biases, prep), x2)
+    else:
+        y = run_onednn(*_packed(owner, key, weights, biases, prep), x2, plan)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,16 +50,25 @@ class TargetOutput:
 
 @dataclass(frozen=True)
 class _FastLinear:
-    """One fp32 GEMM of the fast forward (``fastops.packed_linear``), its weights and biases looked up once."""
+    """One fp32 GEMM of the fast forward: ``fastops.packed_linear`` with its weights and biases looked up once, and
+    the packed (oneDNN) or transposed (BLAS) copy it last used kept at hand while no weight changes in place (their
+    version counters), so a step's 120 GEMMs skip the per-call cache lookup."""
 
-    owner: torch.nn.Module  # where the packed / BLAS copies are cached
+    owner: torch.nn.Module  # where fastops caches the packed / BLAS copies
     key: str
     weights: tuple
     biases: tuple
     prep: object = None  # reorders the concatenated rows once (q|k|v: the rotary halves interleaved)
+    held: dict = field(default_factory=dict, compare=False)  # "blas" / "onednn" -> (versions, weight copy, bias)
 
-    def __call__(self, x: torch.Tensor, plan) -> torch.Tensor:
-        return fastops.packed_linear(self.owner, self.key, self.weights, self.biases, x, self.prep, plan)
+    def __call__(self, x: torch.Tensor, plan) -> torch.Tensor:  # x (m, K) -> (m, N)
+        lib = "blas" if x.shape[0] in plan.blas else "onednn"
+        versions = [t._version for t in self.weights] + [t._version for t in self.biases if t is not None]
+        hit = self.held.get(lib)
+        if hit is None or hit[0] != versions:
+            copy = (fastops._blas_weight if lib == "blas" else fastops._packed)(self.owner, self.key, self.weights, self.biases, self.prep)
+            hit = self.held[lib] = (versions, *copy)
+        return fastops.run_blas(hit[1], hit[2], x) if lib == "blas" else fastops.run_onednn(hit[1], hit[2], x, plan)
 
 
 @dataclass(frozen=True)
@@ -301,8 +310,15 @@ class Target:
             _ROW_PLANS[key] = self._measure_row_plan()
         plan = _ROW_PLANS[key][0]
         if not plan.blas:  # the measurement built BLAS copies of every weight; a plan that never uses them frees them
-            fastops.drop_blas(self.model)
+            self.drop_blas()
         return _ROW_PLANS[key]
+
+    def drop_blas(self) -> int:
+        """Free the fast forward's BLAS weight copies (rebuilt if a forward needs them again); bytes freed."""
+        for fl in getattr(self, "_fast_layers", None) or []:
+            for lin in (fl.qkv, fl.o, fl.gate_up, fl.down):
+                lin.held.pop("blas", None)
+        return fastops.drop_blas(self.model)
 
     def _measure_row_plan(self, ctx: int = 64, repeats: int = 4) -> tuple:  # (RowPlan, info)
         """Time this target's fast forward over m = 1..ROW_PLAN_MAX rows through oneDNN (unpadded) and through plain
