@@ -376,7 +376,7 @@ class Target:
                 act = F.silu(gate.float(), inplace=True).mul_(up)
             else:
                 gate, up = fl.gate_up(h, plan).chunk(2, dim=-1)
-                act = F.silu(gate) * up
+                act = F.silu(gate, inplace=True).mul_(up)  # in place on the GEMM's output: no new buffers
             lin = q4.get("down")
             # the residual stream stays fp32 (fp32 + bf16 promotes)
             x = x + (lin(act) if lin is not None else fl.down(act, plan))
