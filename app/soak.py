@@ -430,7 +430,6 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
         window = cfg.temp_max_age_s + max(10, cfg.temp_max_age_s // 3) + 5
         recent = [t for t in res.get("file_times", []) if t >= end["t"] - window]
         out["temp_files_bound"] = 4 * len(recent) + 20
-        grow = {k: (t or {}).get("growth") for k, t in trends.items()}
         if trends["rss_mib"] is None:  # a failed check below then means "not judged", not "leaks"
             out["not_judged"] = f"too few races after warm-up to fit a trend ({n_races - warm_from} races, {len(binned(s, 'rss_mib', warm_from)[0])} bins of {BIN_RACES})"
         out["pass"] = {
