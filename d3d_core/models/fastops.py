@@ -190,12 +190,13 @@ def _sig(t: Optional[torch.Tensor]):
 
 
 def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], prep=None,
-            int8: bool = False):
-    """The prepacked weight (and bias) of ``weights`` concatenated along rows, cached on ``owner``
-    and rebuilt when any weight changes (in-place updates bump ``_version``; a new tensor has a
-    new data pointer). ``prep(w, b)`` may reorder the concatenated rows first (done once).
-    ``int8``: the fbgemm-packed qint8 weight with its bias instead (returned as (packed, None))."""
-    key = key + "#int8" if int8 else key
+            form: str = "onednn"):
+    """(weight copy, bias) of ``weights`` concatenated along rows, cached on ``owner`` and rebuilt when any weight
+    changes (in-place updates bump ``_version``; a new tensor has a new data pointer). ``prep(w, b)`` may reorder
+    the concatenated rows first (done once). ``form``: "onednn", the prepacked oneDNN weight; "blas", W^T as a
+    contiguous (K, N) fp32 copy (``x @ W^T`` is MKL's sgemm without a transpose); "int8", the fbgemm-packed qint8
+    weight with its bias inside (returned as (packed, None))."""
+    key = key if form == "onednn" else f"{key}#{form}"
     sig = tuple(_sig(w) for w in weights) + tuple(_sig(b) for b in biases)
     cache = owner.__dict__.setdefault("_d3d_packed", {})
     hit = cache.get(key)
@@ -209,8 +210,10 @@ def _packed(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases:
             b = None
         if prep is not None:
             w, b = prep(w, b)
-        if int8:
+        if form == "int8":
             wp, b = torch.ops.quantized.linear_prepack(_quantize_rows(w), None if b is None else b.float().contiguous()), None
+        elif form == "blas":
+            wp = w.t().contiguous()
         else:
             wp = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_BATCH_HINT)
     cache[key] = (sig, wp, b)
@@ -312,30 +315,9 @@ def fixed_plan(floor: int) -> RowPlan:
 BLAS_PLAN = RowPlan(blas=tuple(range(1, ROW_PLAN_MAX + 1)))  # D3D_ROW_PLAN=blas: plain BLAS for every m <= ROW_PLAN_MAX
 
 
-def _blas_weight(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], prep=None):
-    """(W^T as a contiguous (K, N) fp32 copy, bias) of ``weights`` concatenated along rows (after ``prep``), cached on
-    ``owner`` beside the oneDNN pack and rebuilt when a weight changes: ``x @ W^T`` is MKL's sgemm without a transpose."""
-    key = key + "#blas"
-    sig = tuple(_sig(w) for w in weights) + tuple(_sig(b) for b in biases)
-    cache = owner.__dict__.setdefault("_d3d_packed", {})
-    hit = cache.get(key)
-    if hit is not None and hit[0] == sig:
-        return hit[1], hit[2]
-    with torch.inference_mode():
-        w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights], 0)
-        if any(b is not None for b in biases):
-            b = torch.cat([(b.detach() if b is not None else w.new_zeros(wt.shape[0])) for b, wt in zip(biases, weights)])
-        else:
-            b = None
-        if prep is not None:
-            w, b = prep(w, b)
-        wt = w.t().contiguous()
-    cache[key] = (sig, wt, b)
-    return wt, b
-
-
 def drop_blas(module: nn.Module) -> int:
-    """Free the BLAS copies cached under ``module`` (a plan that runs no row count on BLAS needs none); bytes freed."""
+    """Free the BLAS copies (``_packed(..., form="blas")``) cached under ``module`` (a plan that runs no row count on
+    BLAS needs none); bytes freed."""
     freed = 0
     for m in module.modules():
         cache = m.__dict__.get("_d3d_packed")
@@ -369,12 +351,12 @@ def packed_linear(owner: nn.Module, key: str, weights: Sequence[torch.Tensor], b
     to bound, so no padding)."""
     lead = x.shape[:-1]
     if _int8(owner):
-        qp, _ = _packed(owner, key, weights, biases, prep, int8=True)
+        qp, _ = _packed(owner, key, weights, biases, prep, "int8")
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).contiguous(), qp)
         return y.reshape(*lead, y.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
     if plan is not None and x2.shape[0] in plan.blas:
-        y = run_blas(*_blas_weight(owner, key, weights, biases, prep), x2)
+        y = run_blas(*_packed(owner, key, weights, biases, prep, "blas"), x2)
     else:
         y = run_onednn(*_packed(owner, key, weights, biases, prep), x2, plan)
     return y.reshape(*lead, y.shape[-1])

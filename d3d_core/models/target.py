@@ -66,8 +66,7 @@ class _FastLinear:
         versions = [t._version for t in self.weights] + [t._version for t in self.biases if t is not None]
         hit = self.held.get(lib)
         if hit is None or hit[0] != versions:
-            copy = (fastops._blas_weight if lib == "blas" else fastops._packed)(self.owner, self.key, self.weights, self.biases, self.prep)
-            hit = self.held[lib] = (versions, *copy)
+            hit = self.held[lib] = (versions, *fastops._packed(self.owner, self.key, self.weights, self.biases, self.prep, lib))
         return fastops.run_blas(hit[1], hit[2], x) if lib == "blas" else fastops.run_onednn(hit[1], hit[2], x, plan)
 
 
