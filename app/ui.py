@@ -632,9 +632,10 @@ def build_demo() -> gr.Blocks:
                 b_etext = gr.Markdown(e_text, elem_id="engines-text")
                 b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
                 b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
-                gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs run "
-                            "near this CPU's read bandwidth, so what is left is the glue around them (Python, norms, casts, RoPE, KV "
-                            "writes: “everything else”) and attention; a verify of 8 rows costs about two steps here, not one.")
+                gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
+                            "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on this Xeon (unpacking them, "
+                            "not memory, sets its speed); the glue around them (Python, norms, casts, RoPE, KV writes: “everything else”) "
+                            "and attention take about as long again; a verify of 8 rows costs about two steps here, not one.")
                 b_ecprov = gr.Markdown(e_cprov)
                 b_ecosts = gr.Plot(e_costs, label="Cost breakdown, int4 engine")
                 gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "

@@ -280,9 +280,9 @@ class Target:
         return w[idx], (b[idx] if b is not None else None)
 
     def row_plan(self) -> fastops.RowPlan:
-        """The row plan this target's fast forward pads small row counts by (``plan[m]``: the rows a
-        GEMM of m rows runs at; see fastops), fixed before the first fast forward so every forward of
-        the process, in every mode, runs the same kernels. ``row_plan_info`` says how it was chosen."""
+        """The row plan this target's fast forward runs small row counts by (``fastops.RowPlan``: m rows on plain
+        BLAS when m is in ``plan.blas``, else on oneDNN at ``plan.rows[m]`` rows), fixed before the first fast forward
+        so every forward of the process, in every mode, runs the same kernels. ``row_plan_info`` says how it was chosen."""
         if self._row_plan is None:
             with _ROW_PLAN_LOCK:
                 if self._row_plan is None:
