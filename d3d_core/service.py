@@ -22,8 +22,9 @@ from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
-from .models.bundles import BUNDLES, DEFAULT_BUNDLE, SHARED_ADAPTER_INFO, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
-from .models.drafters import DrafterConfig
+from .models.adapter import SHARED_ADAPTER_INFO
+from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
+from .models.drafter import DrafterConfig
 from .schemas import AppSettings, checked
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
@@ -127,7 +128,8 @@ def d3d_drafters(bundle_name: str) -> dict:
             return DrafterConfig.from_json(asset_json("drafters", bundle_name, name, "config.json")).describe()
         except (TypeError, ValueError):  # no shipped config (a toy bundle's drafters are built in code), or an unreadable one
             spec = BUNDLES.get(bundle_name)
-            if name == "d3d" and spec is not None and spec.d3d_adapter_rank and not (bundle_name == "qwen3-8b" and os.environ.get("D3D_QWEN3_D3D")):
+            d3d = spec.from_environment().drafter("d3d") if spec is not None else None
+            if name == "d3d" and d3d is not None and d3d.adapter_rank and not d3d.source:
                 return SHARED_ADAPTER_INFO
             return "D3D drafter"
 

@@ -288,7 +288,10 @@ def build_models(prof: dict, device: str, dtype):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from d3d_core.models.bundles import BUNDLES, Bundle, choose_attention, init_drafter, shared_adapter_drafter
+    from d3d_core.models.adapter import shared_adapter_drafter
+    from d3d_core.models.bundles import BUNDLES, Bundle
+    from d3d_core.models.loader import init_drafter
+    from d3d_core.models.sources import choose_attention
     from d3d_core.models.standalone import standalone_from_hf
     from d3d_core.models.target import Target
     from d3d_core.models.tokenizer import CharTokenizer
@@ -315,7 +318,7 @@ def build_models(prof: dict, device: str, dtype):
     spec = BUNDLES["qwen3-8b"]
     standalone = standalone_from_hf(model(prof["drafter"], 1, 1.0), mask_token_id=prof["vocab"] - 1, block_size=prof["B"],
                                     source="random weights, Qwen3-1.7B shape" if device.startswith("cuda") else "random weights, toy shape")
-    adapter = shared_adapter_drafter(target, prof["adapter_rank"], block_size=prof["B"])
+    adapter = shared_adapter_drafter(target.shared, target.arch, prof["adapter_rank"], block_size=prof["B"])
     dflash = init_drafter("dflash", target, spec, num_layers=1).to(device)
     bundle = Bundle("gpu-check", target, CharTokenizer(), {"d3d": standalone, "dflash": dflash}, {}, "random weights", attention=attn)
     return bundle, standalone, adapter

@@ -11,8 +11,10 @@ from safetensors.torch import load_file
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
 from d3d_core.models import fastops
-from d3d_core.models.bundles import BUNDLES, init_drafter
-from d3d_core.models.drafters import DrafterConfig, SharedParts, load_drafter
+from d3d_core.models.bundles import BUNDLES
+from d3d_core.models.drafter import DrafterConfig
+from d3d_core.models.layers import SharedParts
+from d3d_core.models.loader import init_drafter, load_drafter
 from d3d_core.training.offline_tau import greedy_continuations, load_any_drafter, offline_tau
 from d3d_core.training.train import PRESETS, train
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from d3d_core.models.bundles import BUNDLES, init_drafter
-from d3d_core.models.drafters import evenly_spaced, load_drafter
+from d3d_core.models.bundles import BUNDLES
+from d3d_core.models.drafter import evenly_spaced
+from d3d_core.models.loader import init_drafter, load_drafter
 
 
 def test_evenly_spaced_matches_dflash_choice():
@@ -71,7 +72,7 @@ def test_build_shortlist_keeps_the_most_frequent_and_end_tokens():
 
 
 def test_shortlist_round_trips_through_save_and_load(toy, tmp_path):
-    from d3d_core.models.drafters import load_drafter
+    from d3d_core.models.loader import load_drafter
 
     d = toy.drafter("d3d").shortlisted([1, 4, 9])
     d.save(tmp_path / "d")

@@ -10,8 +10,9 @@ import torch
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
 from d3d_core.models import bundles
-from d3d_core.models.bundles import BUNDLES, SHARED_ADAPTER_INFO, init_drafter
-from d3d_core.models.drafters import load_drafter
+from d3d_core.models.adapter import SHARED_ADAPTER_INFO
+from d3d_core.models.bundles import BUNDLES
+from d3d_core.models.loader import DrafterSpec, init_drafter, load_drafter
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten"]
 
@@ -21,7 +22,7 @@ def gpu_way():
     """toy-qwen3 loaded the way a GPU bundle is: no shipped D3D drafter, ``d3d_adapter_rank`` set (a fresh bundle,
     not the session's)."""
     spec = BUNDLES["toy-qwen3"]
-    BUNDLES["toy-qwen3"] = replace(spec, d3d_adapter_rank=4)
+    BUNDLES["toy-qwen3"] = replace(spec, drafters=(DrafterSpec("d3d", adapter_rank=4), spec.drafter("dflash")))
     try:
         yield bundles._load("toy-qwen3", "cpu")
     finally:
@@ -30,7 +31,7 @@ def gpu_way():
 
 def test_qwen3_8b_is_configured_for_the_shared_adapter_drafter():
     spec = BUNDLES["qwen3-8b"]
-    assert spec.gpu_only and spec.d3d_adapter_rank > 0 and spec.params > 8e9
+    assert spec.gpu_only and spec.drafter("d3d").adapter_rank > 0 and spec.params > 8e9
 
 
 def test_the_gpu_way_d3d_drafter_shares_the_targets_weights(gpu_way):

@@ -4,7 +4,7 @@ nothing of the vocabulary's size or any other read of a tensor happens in the en
 
 On this CPU-only suite "a read" is what makes the host wait for the stream on a GPU: ``Tensor.item / tolist / cpu /
 numpy`` and ``int() / float() / bool()`` of a tensor. A ``TorchFunctionMode`` in both lanes' threads catches every one
-called from engine.py, sampling.py or drafters.py outside ``to_host``. On a machine with CUDA the last test runs the
+called from engine.py, sampling.py or the drafters' files (models/layers.py, drafter.py, d3d.py, dflash.py, adapter.py) outside ``to_host``. On a machine with CUDA the last test runs the
 decodes there under CUDA's own sync detector.
 
 Per lane and round, on a GPU (``_eager_tops``), before -> after this change: target lane, T = 0 one wait for the verify's
@@ -27,9 +27,10 @@ from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
 from d3d_core.decoding.sampling import accept_rejection, probs, sample
 
-MINE = ("d3d_core/decoding/engine.py", "d3d_core/decoding/sampling.py", "d3d_core/models/drafters.py")
+MINE = ("d3d_core/decoding/engine.py", "d3d_core/decoding/sampling.py", "d3d_core/models/layers.py", "d3d_core/models/drafter.py",
+        "d3d_core/models/d3d.py", "d3d_core/models/dflash.py", "d3d_core/models/adapter.py")
 READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"}
-TARGET_CALLERS = {"accept_match", "accept_rejection", "_loop"}
+TARGET_CALLERS = {"accept_match", "accept_rejection", "_prefill"}
 DRAFTER_CALLERS = {"_drafts_from_hidden", "_read_tops"}
 
 
@@ -258,7 +259,7 @@ def test_hand_over_orders_the_receiving_stream_on_cuda_only():
 @pytest.mark.parametrize("temperature, rule", CASES)
 def test_on_cuda_no_sync_outside_to_host_and_lossless(temperature, rule, monkeypatch):
     """On a GPU: CUDA's sync detector (``set_sync_debug_mode('warn')``) sees no synchronising call from engine.py,
-    sampling.py or drafters.py except ``to_host``'s one wait, and every mode emits ar's tokens at T = 0."""
+    sampling.py or the drafters' files except ``to_host``'s one wait, and every mode emits ar's tokens at T = 0."""
     import warnings
 
     from d3d_core.models.bundles import get_bundle

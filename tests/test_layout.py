@@ -6,6 +6,13 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "d3d_core"
 LAYERS = ["limits", "models", "decoding", "schemas", "measure", "training", "service"]  # each may import only those before it
+# the rooms of models/, in the order they may import each other (each only those before it): the target's kernels and
+# wrapper, the parts the drafters share, the drafter base, one file per drafter kind, where weights come from (the
+# target's sources, hub ids), the one drafter loader, and the bundles that put a target and its drafters together
+MODEL_ROOMS = ["hardware", "tokenizer", "fastops", "int4", "layers", "target", "drafter", "d3d", "dflash", "adapter", "standalone",
+               "sources", "loader", "bundles"]
+MAX_MODEL_FILE_LINES = 500
+MAX_LOOP_LINES = 60
 
 
 def module_name(f: Path) -> str:
@@ -91,3 +98,32 @@ def test_no_internal_import_inside_a_function():
 
 def test_every_part_has_its_package():
     assert {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == {"models", "decoding", "measure", "training"}
+
+
+def test_models_rooms_import_only_downwards():
+    """Within models/: every file is a known room, and a room imports only the rooms before it (MODEL_ROOMS)."""
+    rooms = {f.stem for f in (PKG / "models").glob("*.py") if f.name != "__init__.py"}
+    assert rooms == set(MODEL_ROOMS), sorted(rooms ^ set(MODEL_ROOMS))
+    rank = {name: i for i, name in enumerate(MODEL_ROOMS)}
+    up = []
+    for mod, deps in import_graph().items():
+        parts = mod.split(".")
+        if parts[1:2] != ["models"] or len(parts) < 3:
+            continue
+        for d in deps:
+            dp = d.split(".")
+            if dp[1:2] == ["models"] and len(dp) > 2 and rank[dp[2]] >= rank[parts[2]]:
+                up.append(f"{mod} -> {d}")
+    assert not up, up
+
+
+def test_no_models_file_over_the_limit():
+    long = {f.name: n for f in (PKG / "models").glob("*.py") if (n := len(f.read_text().splitlines())) > MAX_MODEL_FILE_LINES}
+    assert not long, long
+
+
+def test_the_decode_loop_stays_short():
+    """``_loop`` reads as the method: prefill, then draft -> verify -> commit per round; the rest lives in named steps."""
+    tree = ast.parse((PKG / "decoding" / "engine.py").read_text())
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_loop")
+    assert loop.end_lineno - loop.lineno + 1 <= MAX_LOOP_LINES

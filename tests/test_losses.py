@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from conftest import TRAIN_PROMPTS as PROMPTS
 from conftest import training_examples
 
-from d3d_core.models.bundles import BUNDLES, init_drafter
+from d3d_core.models.bundles import BUNDLES
+from d3d_core.models.loader import init_drafter
 from d3d_core.training.losses import HeadLoss, SoftTargets, block_targets
 from d3d_core.training.softlabels import SoftLabelCache, soft_rows, target_topk
 from d3d_core.training.train import PRESETS, d3d_block_terms, d3d_loss, head_shortlist, sample_anchors, to_seq, train

@@ -87,7 +87,7 @@ def test_anchor_first_draft_reads_the_anchor_slot_and_stays_lossless(toy):
     import torch
 
     from d3d_core.decoding.engine import d3d_draft
-    from d3d_core.models.drafters import DrafterConfig
+    from d3d_core.models.drafter import DrafterConfig
 
     base = toy.drafter("d3d").with_first_draft("mask")
     d = base.with_first_draft("anchor")
@@ -123,8 +123,9 @@ def test_causal_anchor_in_a_full_depth_drafter_drafts_the_targets_own_token(toy)
     is 2 at every anchor) before any training; both D3D modes stay exactly ar's."""
     from dataclasses import replace
 
-    from d3d_core.models.bundles import BUNDLES, init_drafter
-    from d3d_core.models.drafters import DrafterConfig
+    from d3d_core.models.bundles import BUNDLES
+    from d3d_core.models.drafter import DrafterConfig
+    from d3d_core.models.loader import init_drafter
     from d3d_core.training.offline_tau import greedy_continuations, offline_tau
 
     d = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=toy.target.num_layers)

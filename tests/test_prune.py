@@ -31,7 +31,7 @@ def test_curve_is_well_formed(toy):
 def test_healing_fine_tunes_only_the_kept_layers_against_a_control(toy, tmp_path):
     import torch
 
-    from d3d_core.models.drafters import load_drafter
+    from d3d_core.models.loader import load_drafter
     from d3d_core.training.prune import heal
 
     d = toy.drafter("d3d")

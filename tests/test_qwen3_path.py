@@ -10,8 +10,8 @@ from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
 from d3d_core.decoding.trace import MODES
 from d3d_core.models.bundles import load_qwen3_bundle, register_bundle
-from d3d_core.models.checkpoints import load_zlab_dflash, save_zlab_dflash
-from d3d_core.models.drafters import DFlashDrafter, DrafterConfig, evenly_spaced
+from d3d_core.models.dflash import DFlashDrafter, load_zlab_dflash, save_zlab_dflash
+from d3d_core.models.drafter import DrafterConfig, evenly_spaced
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
@@ -132,7 +132,7 @@ def test_clear_errors(qwen_dirs, tmp_path, monkeypatch):
 def test_the_qwen3_paths_default_d3d_drafter_is_the_shared_adapter_drafter(qwen_dirs):
     """Without a D3D drafter named, the Qwen3 path (``qwen3-8b``'s) builds no untrained copy: its D3D drafter is the
     target's own layers, shared (same storage), with zero-initialised adapters, and says so."""
-    from d3d_core.models.bundles import SHARED_ADAPTER_INFO
+    from d3d_core.models.adapter import SHARED_ADAPTER_INFO
 
     root, _ = qwen_dirs
     b = load_qwen3_bundle("qwen3-test", str(root / "target"), device="cpu")
@@ -149,14 +149,14 @@ def test_the_qwen3_paths_default_d3d_drafter_is_the_shared_adapter_drafter(qwen_
 def test_the_memory_check_runs_before_any_weight_is_fetched(qwen_dirs, monkeypatch):
     """The Qwen3 path reads the target's config alone, checks memory, and only then resolves (downloads) the weights:
     a target that does not fit is refused with one sentence and nothing is fetched."""
-    from d3d_core.models import bundles, hardware
+    from d3d_core.models import hardware, sources
 
     root, _ = qwen_dirs
 
     def no_fetch(*a, **k):
         raise AssertionError("weights fetched before the memory check")
 
-    monkeypatch.setattr(bundles, "_resolve", no_fetch)
+    monkeypatch.setattr(sources, "resolve", no_fetch)
     monkeypatch.setattr(hardware, "available_ram_bytes", lambda: 64 << 20)
     with pytest.raises(hardware.BundleUnavailable, match=r"not enough memory to load target .* [GM]iB of RAM"):
         load_qwen3_bundle("qwen3-test", str(root / "target"), device="cpu")

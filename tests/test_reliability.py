@@ -120,7 +120,7 @@ def test_hostile_trace_uploads_get_messages(server, tmp_path):
 
 
 def test_bad_drafter_files(toy, tmp_path):
-    from d3d_core.models.drafters import load_drafter
+    from d3d_core.models.loader import load_drafter
 
     d = toy.drafter("d3d")
     d.save(tmp_path / "ok")

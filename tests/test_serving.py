@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from d3d_core import service
-from d3d_core.models import bundles, hardware
+from d3d_core.models import bundles, hardware, sources
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash", "d3d-seq", "d3d-async"], block_size=4, temperature=0,
@@ -38,8 +38,10 @@ def no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a bundle load or download was started")
 
-    for name in ("_load", "load_qwen3_bundle", "_resolve", "_target_config", "load_smollm2"):
+    for name in ("_load", "load_bundle", "load_qwen3_bundle"):
         monkeypatch.setattr(bundles, name, boom)
+    for name in ("resolve", "target_config", "load_smollm2", "load_target"):
+        monkeypatch.setattr(sources, name, boom)
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", boom)

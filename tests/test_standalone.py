@@ -13,8 +13,9 @@ from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
 from d3d_core.decoding.trace import MODES
 from d3d_core.models import fastops
-from d3d_core.models.drafters import D3DDrafter
-from d3d_core.models.standalone import StandaloneError, load_any_drafter, load_standalone_d3d
+from d3d_core.models.d3d import D3DDrafter
+from d3d_core.models.loader import load_drafter
+from d3d_core.models.standalone import StandaloneError, load_standalone_d3d
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "d3d-qwen3-tiny"
@@ -27,7 +28,7 @@ PROMPTS = ["hello world", "what is 2+2? tell me."]
 @pytest.fixture(scope="module")
 def standalone(toy_qwen3):
     t = toy_qwen3.target
-    return load_any_drafter(FIXTURE, t.shared, t.arch, t.device, t.dtype)
+    return load_drafter(FIXTURE, t.shared, t.arch, t.device, t.dtype)
 
 
 def test_fixture_is_a_tiny_fp16_qwen3_checkpoint_of_its_own_shape(toy_qwen3):

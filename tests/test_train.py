@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import training_examples
 
-from d3d_core.models.drafters import load_drafter
+from d3d_core.models.loader import load_drafter
 from d3d_core.training.train import PRESETS, d3d_loss, sample_anchors, to_seq, train
 
 PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color",
@@ -38,7 +38,8 @@ def _mean_block_loss(drafter, toy, examples, cfg, teacher=None):
 
 @pytest.mark.parametrize("kind", ["d3d", "dflash"])
 def test_loss_falls_and_tau_is_recorded(toy, examples, tmp_path, kind):
-    from d3d_core.models.bundles import BUNDLES, init_drafter
+    from d3d_core.models.bundles import BUNDLES
+    from d3d_core.models.loader import init_drafter
 
     cfg = replace(PRESETS["toy"], kind=kind, layers=1 if kind == "dflash" else 2, steps=40, lr=1e-3, eval_every=20, ckpt_every=20)
     res = train(toy, examples, cfg, tmp_path / kind, progress=False)
@@ -77,7 +78,8 @@ def test_dflash_feature_cache_gives_the_same_loss(toy, examples):
     """The cached (fp16) target features give the loss a fresh target forward gives."""
     import random
 
-    from d3d_core.models.bundles import BUNDLES, init_drafter
+    from d3d_core.models.bundles import BUNDLES
+    from d3d_core.models.loader import init_drafter
     from d3d_core.training.train import dflash_loss
 
     cfg = replace(PRESETS["toy"], kind="dflash", layers=1)
@@ -97,7 +99,8 @@ def test_distillation_from_a_teacher_pulls_the_pruned_drafter_towards_it(toy, ex
     drafter fine-tuned that way moves towards the unpruned teacher's block distributions."""
     import random
 
-    from d3d_core.models.bundles import BUNDLES, init_drafter
+    from d3d_core.models.bundles import BUNDLES
+    from d3d_core.models.loader import init_drafter
 
     cfg = replace(PRESETS["toy"], steps=30, lr=1e-3, kd_alpha=1.0, ar_lambda=0.0, eval_every=30, ckpt_every=30)
     teacher = init_drafter("d3d", toy.target, BUNDLES["toy"], num_layers=cfg.layers, block_size=cfg.block_size)

@@ -17,7 +17,8 @@ from conftest import TRAIN_PROMPTS as PROMPTS
 from conftest import training_examples
 from safetensors.torch import load_file
 
-from d3d_core.models.bundles import Bundle, build_toy_target
+from d3d_core.models.bundles import Bundle
+from d3d_core.models.sources import build_toy_target
 from d3d_core.training.distill import generate_batch
 from d3d_core.training.losses import HeadLoss
 from d3d_core.training.train import PRESETS, TrainConfig, autocast, d3d_loss, for_training, fresh_drafter, master_dtype, packed_hidden, sample_anchors, to_seq, train

@@ -56,7 +56,7 @@ def test_emoji_and_rtl_survive(toy):
 
 
 def test_missing_and_broken_drafter_files(tmp_path, toy):
-    from d3d_core.models.drafters import load_drafter
+    from d3d_core.models.loader import load_drafter
 
     with pytest.raises(FileNotFoundError, match="missing config.json, model.safetensors"):
         load_drafter(tmp_path, toy.target.shared, toy.target.arch)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d_core.models.checkpoints import load_zlab_dflash
+from d3d_core.models.dflash import load_zlab_dflash
 from d3d_core.models.target import Target
 
 FIX = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "dflash-public-tiny"

@@ -28,7 +28,9 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from ..models.drafters import D3DDrafter, DFlashDrafter, KVCache, to_device
+from ..models.d3d import D3DDrafter
+from ..models.dflash import DFlashDrafter
+from ..models.layers import KVCache, to_device
 from . import sampling
 from .config import DecodeConfig
 from .plan import CostModel, DraftGate, expected_tokens, verify_width
@@ -375,74 +377,134 @@ class Run:
 
 
 def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
-    """prefill -> (draft -> verify -> commit -> trace)*; ``mode`` decides how blocks are drafted."""
-    cfg, target, rec = run.cfg, run.target, run.rec
+    """prefill -> (draft -> verify -> commit -> trace)*; ``mode`` decides how blocks are drafted. Each step is a named
+    function below: ``_prefill``, ``_draft_block``, ``_verify``, ``_gate_verdict``, ``_commit``, ``_record``, ``_finish``."""
+    cfg, rec = run.cfg, run.rec
     eos = tok.eos_ids if cfg.stop_at_eos else frozenset()
     wall0 = rec.now_s()  # the decode's own clock: it stops while the decode is suspended between two yields
-    t_cache = target.new_cache()
-    mode.start_prefill(trace.prompt_ids)
-    with run.lanes.target_ctx(), rec.span("target", "prefill", -1):
-        out = target.prefill(t_cache, to_device(torch.tensor(trace.prompt_ids, dtype=torch.long), target.device), mode.feature_layers)
-        ((first,),) = sampling.to_host(choose(out.logits[-1:], cfg.temperature, run.gen_t))
-    run.n_target_fwd += 1
-    mode.finish_prefill(trace.prompt_ids, out)
-    _sync(run)
+    t_cache = run.target.new_cache()
+    first = _prefill(run, mode, t_cache, trace.prompt_ids)
     t_decode0 = rec.now_s()
     trace.first_token, trace.output_ids = first, [first]
     finish = "eos" if first in eos else ("length" if cfg.max_new_tokens <= 1 else "")
     yield trace
 
     anchor, s, rnd = first, len(trace.prompt_ids), 0  # anchor token and its position
-    gate = None
-    if cfg.drafting == "gated" and mode.drafter is not None:
-        gate = DraftGate(threshold=run.costs.step_speedup(torch.get_num_threads(), run.solo_threads) if run.solo_threads else 1.0)
+    gate = _draft_gate(run, mode)
     while not finish:
         if is_cancelled():
             finish = "cancelled"
             break
-        gate_rate = gate.rate if gate is not None else None
-        if gate is None or gate.wants_draft() or mode.has_ready_draft():
-            draft, source = mode.draft(rnd, anchor)
-        else:  # the draft gate: drafting has not paid lately, so this round is an AR step
-            draft, source = None, "skipped"
-        q_drafts, held = (draft.probs if draft is not None else []), []  # q_j(d_j), computed once per round
-        if draft is not None and cfg.verify == "adaptive":
-            k = verify_width(q_drafts, run.costs, mode.draft_cost())
-            held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
-        drafts = draft.ids if draft is not None else []
-        reads_q = draft is not None and cfg.temperature > 0 and cfg.sampling == "rejection"  # only rejection sampling reads q
-        if reads_q:  # before the packed pass is queued behind it on the drafter's stream
-            _hand_over(run.lanes, "target")
-        mode.during_verify(rnd, anchor, draft)
-        with run.lanes.target_ctx(), rec.span("target", "verify", rnd), (run.solo() if draft is None else contextlib.nullcontext()):
-            vout = target.verify(t_cache, to_device(torch.tensor([anchor] + drafts, dtype=torch.long), target.device), mode.feature_layers)
-            q = draft.dense() if reads_q else None
-            v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)  # the target lane's one read
-            target.rollback(t_cache, len(drafts) - v.accepted)
-        run.n_target_fwd += 1
-        if gate is not None and draft is not None:
-            gate.drafted(v.accepted + 1, mode.draft_cost() + run.costs.verify_cost(len(drafts) + 1),
-                         expected=expected_tokens(q_drafts, len(drafts) + 1))
-        elif gate is not None:
-            gate.skip()
-        committed, finish = _commit(trace.output_ids, drafts[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)
-        rd = Round(
-            index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(drafts),
-            draft_probs=q_drafts, target_ids=v.target_ids[: len(drafts) + 1],
-            accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=source, held_back=held,
-            gate_rate=None if gate_rate is None else round(gate_rate, 4),
-        )
-        mode.after_verify(rd, anchor, drafts, vout)
+        block = _draft_block(run, mode, gate, rnd, anchor)
+        v, vout = _verify(run, mode, t_cache, rnd, anchor, block)
+        _gate_verdict(run, mode, gate, block, v)
+        committed, finish = _commit(trace.output_ids, block.ids[: v.accepted] + [v.bonus], eos, cfg.max_new_tokens)
+        rd = _record(rnd, s, anchor, block, v, committed)
+        mode.after_verify(rd, anchor, block.ids, vout)
         trace.rounds.append(rd)
         s, anchor, rnd = s + v.accepted + 1, v.bonus, rnd + 1
-        if not finish and s + cfg.effective_block + 2 > target.max_positions:
+        if not finish and s + cfg.effective_block + 2 > run.target.max_positions:
             finish = "context"
         if not finish:
             yield trace
 
+    _finish(run, trace, tok, finish, wall0, t_decode0)
+    yield trace
+
+
+@dataclass
+class Block:
+    """What one round verifies: the drafted block cut to the verify plan's width (``draft`` None: the anchor alone)."""
+
+    draft: Optional[Draft]
+    source: str  # the round's draft_source: "", "draft", "sync_draft", "packed_draft" or "skipped"
+    q: list  # q_j(d_j) of the drafts verified
+    held: list  # drafts past the verify plan's width: drafted, never verified
+    gate_rate: Optional[float]  # the draft gate's estimate before this round; None: no gate
+
+    @property
+    def ids(self) -> list:
+        return self.draft.ids if self.draft is not None else []
+
+
+def _prefill(run: Run, mode, t_cache, prompt_ids: list) -> int:
+    """The target's prefill (the mode's drafter prefill beside or after it), ending quiescent -> the first token."""
+    target = run.target
+    mode.start_prefill(prompt_ids)
+    with run.lanes.target_ctx(), run.rec.span("target", "prefill", -1):
+        out = target.prefill(t_cache, to_device(torch.tensor(prompt_ids, dtype=torch.long), target.device), mode.feature_layers)
+        ((first,),) = sampling.to_host(choose(out.logits[-1:], run.cfg.temperature, run.gen_t))
+    run.n_target_fwd += 1
+    mode.finish_prefill(prompt_ids, out)
     _sync(run)
-    t_end = rec.now_s()
-    trace.spans = rec.finalize()
+    return first
+
+
+def _draft_gate(run: Run, mode) -> Optional[DraftGate]:
+    """The draft gate of a gated decode with a drafter (its threshold: what a step on every core is worth), else None."""
+    if run.cfg.drafting != "gated" or mode.drafter is None:
+        return None
+    return DraftGate(threshold=run.costs.step_speedup(torch.get_num_threads(), run.solo_threads) if run.solo_threads else 1.0)
+
+
+def _draft_block(run: Run, mode, gate: Optional[DraftGate], rnd: int, anchor: int) -> Block:
+    """This round's block: the mode's draft (none where the draft gate skips the round), cut to the width the verify
+    plan picks (``verify == "adaptive"``)."""
+    gate_rate = gate.rate if gate is not None else None
+    if gate is None or gate.wants_draft() or mode.has_ready_draft():
+        draft, source = mode.draft(rnd, anchor)
+    else:  # the draft gate: drafting has not paid lately, so this round is an AR step
+        draft, source = None, "skipped"
+    q_drafts, held = (draft.probs if draft is not None else []), []  # q_j(d_j), computed once per round
+    if draft is not None and run.cfg.verify == "adaptive":
+        k = verify_width(q_drafts, run.costs, mode.draft_cost())
+        held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
+    return Block(draft, source, q_drafts, held, gate_rate)
+
+
+def _verify(run: Run, mode, t_cache, rnd: int, anchor: int, block: Block) -> tuple:
+    """One target forward over ``[anchor, drafts]`` while the mode works on the next block -> (verdict, verify output);
+    the target's cache keeps the accepted prefix and the anchor."""
+    cfg, target, draft, drafts = run.cfg, run.target, block.draft, block.ids
+    reads_q = draft is not None and cfg.temperature > 0 and cfg.sampling == "rejection"  # only rejection sampling reads q
+    if reads_q:  # before the packed pass is queued behind it on the drafter's stream
+        _hand_over(run.lanes, "target")
+    mode.during_verify(rnd, anchor, draft)
+    with run.lanes.target_ctx(), run.rec.span("target", "verify", rnd), (run.solo() if draft is None else contextlib.nullcontext()):
+        vout = target.verify(t_cache, to_device(torch.tensor([anchor] + drafts, dtype=torch.long), target.device), mode.feature_layers)
+        q = draft.dense() if reads_q else None
+        v = accept(drafts, q, vout.logits, cfg.temperature, cfg.sampling, run.gen_t)  # the target lane's one read
+        target.rollback(t_cache, len(drafts) - v.accepted)
+    run.n_target_fwd += 1
+    return v, vout
+
+
+def _gate_verdict(run: Run, mode, gate: Optional[DraftGate], block: Block, v) -> None:
+    """Tell the draft gate what this round's draft bought (or that it was skipped)."""
+    if gate is None:
+        return
+    if block.draft is None:
+        gate.skip()
+        return
+    n = len(block.ids) + 1  # the verify's width
+    gate.drafted(v.accepted + 1, mode.draft_cost() + run.costs.verify_cost(n), expected=expected_tokens(block.q, n))
+
+
+def _record(rnd: int, s: int, anchor: int, block: Block, v, committed: list) -> Round:
+    """The trace's record of one round."""
+    return Round(
+        index=rnd, anchor_pos=s, anchor_id=anchor, draft_ids=list(block.ids),
+        draft_probs=block.q, target_ids=v.target_ids[: len(block.ids) + 1],
+        accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=block.source, held_back=block.held,
+        gate_rate=None if block.gate_rate is None else round(block.gate_rate, 4),
+    )
+
+
+def _finish(run: Run, trace: Trace, tok, finish: str, wall0: float, t_decode0: float) -> None:
+    """Close the trace: spans, finish reason, text and stats."""
+    _sync(run)
+    t_end = run.rec.now_s()
+    trace.spans = run.rec.finalize()
     trace.finish_reason = finish
     trace.output_text = tok.decode(trace.output_ids)
     if trace.rounds and trace.rounds[-1].hit is not None:
@@ -450,7 +512,6 @@ def _loop(run: Run, mode, trace: Trace, tok, is_cancelled) -> Iterator[Trace]:
         # are not drawn as misses and do not count in the hit rate (issue 33, confusion 9)
         trace.rounds[-1].hit = None
     trace.stats = _stats(trace, run.n_target_fwd, run.n_draft_fwd, t_decode0 - wall0, t_end - t_decode0, t_end - wall0)
-    yield trace
 
 
 def _commit(output: list, tokens: list, eos, max_new_tokens: int) -> tuple:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.drafters import to_device
+from ..models.layers import to_device
 
 
 @dataclass

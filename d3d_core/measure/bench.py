@@ -30,10 +30,9 @@ from ..decoding.config import DecodeConfig
 from ..decoding.engine import decode
 from ..decoding.plan import DRAFTING_RULES, VERIFY_RULES, plan_label, plan_of
 from ..decoding.trace import MODES
-from ..models import fastops
-from ..models.bundles import _resolve, get_bundle
-from ..models.drafters import load_drafter
-from ..models.standalone import load_any_drafter
+from ..models import fastops, sources
+from ..models.bundles import get_bundle
+from ..models.loader import load_drafter
 from ..schemas import checked
 from .costs import costs_text, probe_costs
 from .datasets import load_benchmark, parse_datasets, prompt_items
@@ -527,7 +526,7 @@ def load_override_drafters(bundle, args) -> dict:
     if args.d3d_drafter and args.d3d_drafter in bundle.d3d_names():  # a shipped one by name, e.g. d3d-deep
         d3d = bundle.drafter(args.d3d_drafter)
     elif args.d3d_drafter:  # a directory: this project's layout, or a causal-LM checkpoint (a standalone drafter of its own shape)
-        d3d = load_any_drafter(_resolve(args.d3d_drafter, "D3D drafter"), bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+        d3d = load_drafter(sources.resolve(args.d3d_drafter, "D3D drafter"), bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
     if args.skip_layers:
         d3d = d3d.pruned([int(x) for x in args.skip_layers.split(",")])
     if d3d is not bundle.drafter("d3d"):

@@ -24,8 +24,9 @@ from ..decoding.config import DecodeConfig
 from ..decoding.engine import d3d_draft, d3d_packed, d3d_prefill, dflash_draft
 from ..decoding.timing import cpu_threads
 from ..models import fastops
-from ..models.bundles import BUNDLES, get_bundle, init_drafter
+from ..models.bundles import BUNDLES, get_bundle
 from ..models.fastops import LM_HEAD
+from ..models.loader import init_drafter
 from .machine import QuietWatch, machine_info, step_reference
 from .rawfirst import Steps, raw_path
 

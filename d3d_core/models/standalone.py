@@ -13,10 +13,11 @@ inference from their sizes and names; we have not been able to read one (no netw
 - a mask token id: ``mask_token_id`` in ``config.json`` (top level, or inside ``d3d_config``), or
   the ``mask_token`` of ``tokenizer_config.json`` resolved through its ``added_tokens_decoder`` or ``tokenizer.json``.
 
-It becomes a :class:`~d3d_core.models.drafters.D3DDrafter` with ``standalone=True``: its own width, depth, heads,
+It becomes a :class:`~d3d_core.models.d3d.D3DDrafter` with ``standalone=True``: its own width, depth, heads,
 q/k-norm, embedding, LM head and rotary embedding, the D3D rules unchanged (context stream with its own KV cache,
 ``[anchor, MASK x (B-1)]`` blocks bidirectional inside the block, packed successor drafting for H hypotheses). Anything
-else fails with one sentence naming what is missing (:class:`StandaloneError`, a ValueError).
+else fails with one sentence naming what is missing (:class:`StandaloneError`, a ValueError). ``loader.load_drafter``
+tells such a directory (a config.json with ``model_type`` and no ``kind``) from the other drafter layouts.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .drafters import ArchConfig, D3DDrafter, DrafterConfig, SharedParts, load_drafter
+from .d3d import D3DDrafter
+from .drafter import DrafterConfig
 from .hardware import estimate_params, require_memory
+from .layers import ArchConfig, SharedParts
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -49,19 +52,6 @@ def _read_json(f: Path, what: str) -> dict:
     if not isinstance(d, dict):
         raise StandaloneError(f"{what} {f} is not a JSON object")
     return d
-
-
-def is_causal_lm_dir(path) -> bool:
-    """Whether ``path`` holds a Hugging Face causal-LM checkpoint (a config.json with ``model_type`` and no ``kind``)
-    rather than this project's drafter layout (config.json with ``kind``). Reads config.json only."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        return False
-    try:
-        d = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and "model_type" in d and "kind" not in d
 
 
 def _token_id(name: str, path: Path) -> Optional[int]:
@@ -201,11 +191,3 @@ def load_standalone_d3d(path, vocab_size: int, device="cpu", dtype=torch.float32
     d = standalone_from_hf(model, mask, block_size=block_size, source=str(path))
     return d.to(device)
 
-
-def load_any_drafter(path, shared: SharedParts, arch: ArchConfig, device="cpu", dtype=torch.float32):
-    """A drafter from a directory: a causal-LM checkpoint (e.g. a public D3D drafter) as a standalone D3D drafter of
-    its own shape, else this project's layout (``drafters.load_drafter``: config.json + model.safetensors)."""
-    path = Path(path)
-    if is_causal_lm_dir(path):
-        return load_standalone_d3d(path, arch.vocab_size, device=device, dtype=dtype)
-    return load_drafter(path, shared, arch, device=device, dtype=dtype)

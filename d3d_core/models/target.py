@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from . import fastops, int4
-from .drafters import ArchConfig, SharedParts
 from .fastops import LM_HEAD
+from .layers import ArchConfig, SharedParts
 
 ENGINES = ("fast", "eager", "int4")
 ROW_PLAN_MIN_MB = 64  # a target whose weights are smaller stays in cache; its row plan is not measured

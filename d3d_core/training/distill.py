@@ -25,7 +25,8 @@ import torch
 
 from ..measure.datasets import load_training_prompts
 from ..measure.rawfirst import Steps
-from ..models.bundles import cache_dir, get_bundle
+from ..models.bundles import get_bundle
+from ..models.sources import cache_dir
 
 
 def distill_dir(bundle: str) -> Path:

@@ -27,8 +27,9 @@ import torch
 
 from ..measure.machine import machine_info
 from ..measure.rawfirst import Steps, raw_path
-from ..models.bundles import cache_dir, get_bundle
-from ..models.drafters import load_drafter
+from ..models.bundles import get_bundle
+from ..models.loader import load_drafter
+from ..models.sources import cache_dir
 from .distill import distill_dir, read_examples
 from .losses import HeadLoss
 from .offline_tau import held_out_set, offline_tau, paired_ratio_ci

@@ -20,8 +20,12 @@ from ..decoding.engine import decode
 from ..measure.datasets import BENCHMARKS, data_dir, load_benchmark
 from ..measure.rawfirst import Steps, raw_path
 from ..models import fastops
-from ..models.bundles import ASSETS, cache_dir, get_bundle
-from ..models.drafters import D3DDrafter, DFlashDrafter, DrafterConfig, build_drafter, load_drafter
+from ..models.bundles import ASSETS, get_bundle
+from ..models.d3d import D3DDrafter
+from ..models.dflash import DFlashDrafter
+from ..models.drafter import DrafterConfig
+from ..models.loader import build_drafter, load_drafter
+from ..models.sources import cache_dir
 from .distill import generate_batch
 
 

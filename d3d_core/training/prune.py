@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..measure.rawfirst import Steps, raw_path, write_json_atomic
-from ..models.bundles import ASSETS, cache_dir, get_bundle
-from ..models.drafters import load_drafter
+from ..models.bundles import ASSETS, get_bundle
+from ..models.loader import load_drafter
+from ..models.sources import cache_dir
 from ..schemas import checked
 from .distill import distill_dir, read_examples
 from .offline_tau import CALIB_PROMPTS, CalibSeq, greedy_continuations, held_out_set, offline_tau, paired_ratio_ci

@@ -6,7 +6,7 @@
 The drafter then scores only the K most frequent tokens of the target's own responses in the
 self-distillation data (``--source distill``), or of the training files' human-written reference
 answers (``--source references``: no distillation needed), plus the end-of-turn tokens, instead
-of the whole vocabulary: its LM-head matmul shrinks V/K times. Decoding stays lossless (see ``_DrafterBase.logits``); what
+of the whole vocabulary: its LM-head matmul shrinks V/K times. Decoding stays lossless (see ``Drafter.logits``); what
 it can cost is τ, when the target's next token is not in the list. The command reports the
 held-out coverage and offline τ with and without the list, and writes it (with those figures) into
 config.json, atomically, before the report is printed (``rawfirst``).
@@ -23,7 +23,7 @@ from pathlib import Path
 from ..measure.datasets import load_training_references
 from ..measure.rawfirst import Steps, write_json_atomic
 from ..models.bundles import get_bundle
-from ..models.drafters import load_drafter
+from ..models.loader import load_drafter
 from .distill import distill_dir, read_examples
 from .offline_tau import calibration_set, offline_tau
 from .train import split_holdout

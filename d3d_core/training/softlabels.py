@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..models.bundles import cache_dir
+from ..models.sources import cache_dir
 from .losses import SoftTargets
 
 

@@ -40,8 +40,12 @@ import torch.nn.functional as F
 
 from ..measure.rawfirst import Steps
 from ..models import fastops
-from ..models.bundles import BUNDLES, get_bundle, init_drafter
-from ..models.drafters import NEG_INF, D3DDrafter, DFlashDrafter, build_adapter_drafter, build_drafter
+from ..models.adapter import build_adapter_drafter
+from ..models.bundles import BUNDLES, get_bundle
+from ..models.d3d import D3DDrafter
+from ..models.dflash import DFlashDrafter
+from ..models.layers import NEG_INF
+from ..models.loader import build_drafter, init_drafter
 from .distill import default_device, distill_dir, read_examples
 from .losses import HeadLoss, block_position_weights, block_targets, weighted_mean
 from .offline_tau import CalibSeq, dflash_anchor_logits, load_any_drafter, offline_tau, target_features

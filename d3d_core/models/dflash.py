@@ -1,12 +1,18 @@
-"""Public DFlash checkpoints (z-lab layout) -> this project's ``DFlashDrafter``, no remote code.
+"""The DFlash-style drafter (target-conditioned block diffusion) and the public checkpoints it loads from, in one file
+you can read top to bottom.
 
-The z-lab checkpoints (e.g. ``z-lab/Qwen3-8B-DFlash-b16``) are a Qwen3-style ``config.json``
-with ``num_hidden_layers`` = drafter layers, ``num_target_layers``, ``block_size`` and
+Hidden states of a few target layers (``target_layer_ids``) are concatenated per committed position, fused
+(``Linear(n*H -> H)`` + RMSNorm) and injected as extra keys / values in every drafter layer (each layer's own
+k_proj / v_proj, cached); queries come only from the block ``[anchor, MASK x (L-1)]``. It cannot draft the next
+block before the target has verified this one.
+
+Public DFlash checkpoints (z-lab layout, e.g. ``z-lab/Qwen3-8B-DFlash-b16``) load into this class, no remote code:
+a Qwen3-style ``config.json`` with ``num_hidden_layers`` = drafter layers, ``num_target_layers``, ``block_size`` and
 ``dflash_config`` {``mask_token_id``, ``target_layer_ids``}, and safetensors weights named
-``layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
-post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``fc``, ``hidden_norm`` and ``norm`` — the
-parameter names of our class, so they load one to one. The block's mask positions use the
-target's embedding row of ``mask_token_id``. Weights are read with safetensors only.
+``layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, post_attention_layernorm,
+mlp.{gate,up,down}_proj}``, ``fc``, ``hidden_norm`` and ``norm`` — the parameter names of our class, so they load one
+to one. The block's mask positions use the target's embedding row of ``mask_token_id``. Weights are read with
+safetensors only. Shapes as in ``layers.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,75 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-from .drafters import ArchConfig, DFlashDrafter, DrafterConfig, SharedParts, evenly_spaced
+from .drafter import Drafter, DrafterConfig, evenly_spaced
+from .layers import ArchConfig, KVCache, RMSNorm, SharedParts, additive_mask, to_device
 
+
+class DFlashDrafter(Drafter):
+    """Target-conditioned block-diffusion drafter (DFlash-style).
+
+    Target hidden states of ``target_layer_ids`` for committed positions are fused to
+    one feature per position; every drafter layer turns those features into extra keys /
+    values (its own k_proj / v_proj, cached). Queries come only from the block.
+    """
+
+    def __init__(self, cfg: DrafterConfig, shared: SharedParts):
+        super().__init__(cfg, shared)
+        a = cfg.arch
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * a.hidden_size, a.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(a.hidden_size))
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (1, N, n*H) concatenated target hidden states -> (1, N, H)."""
+        return self.hidden_norm(self.fc(feats.to(self.dtype)))
+
+    def extend_context(self, cache: KVCache, feats: torch.Tensor) -> None:
+        """Append K/V for N newly committed positions. feats: (1, N, n*H)."""
+        n = feats.shape[1]
+        if n == 0:
+            return
+        T = len(cache)
+        f = self.fuse(feats)
+        pos = torch.arange(T, T + n, device=self.device)
+        cos, sin = self.shared.rope(pos, f, T + n)
+        for i in self.active_layers():
+            k, v = self.layers[i].self_attn.project_kv(f, cos, sin)
+            cache.append(i, k, v)
+
+    def forward_blocks(self, cache: KVCache, blocks: list, block_len: int):
+        """Decode: blocks (anchor ids) all anchored at position len(cache), each seeing the
+        whole cached context. Returns h (nb, L, H)."""
+        T = len(cache)
+        return self.forward_anchored(cache.get, T, [(a, T) for a in blocks], block_len)
+
+    def forward_anchored(self, past, T: int, blocks: list, block_len: int):
+        """The block pass. past(i) -> (k, v) of T context positions for layer i; blocks:
+        [(anchor_id, pos)] — block [anchor, MASK x (L-1)] at positions pos.., seeing the
+        context before pos and itself, never another block. Returns h (nb, L, H)."""
+        nb, L = len(blocks), block_len
+        x = self.block_embeddings([a for a, _ in blocks], L)[None]  # (1, nb*L, H)
+        pos = to_device(torch.cat([torch.arange(p, p + L) for _, p in blocks]), self.device)
+        allowed = torch.zeros(nb * L, T + nb * L, dtype=torch.bool)
+        for b, (_, p) in enumerate(blocks):
+            allowed[b * L : (b + 1) * L, :p] = True
+            allowed[b * L : (b + 1) * L, T + b * L : T + (b + 1) * L] = True
+        mask = additive_mask(allowed, self.dtype, self.device)
+        cos, sin = self.shared.rope(pos, x, max(p for _, p in blocks) + L)
+        for i in self.active_layers():
+            x, _ = self.layers[i](x, cos, sin, past(i), mask)
+        return x[0].view(nb, L, -1)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.num_layers)
+
+
+# ----------------------------------------------------------------------------- public checkpoints (z-lab layout)
+
+ZLAB_SOURCE = "z-lab DFlash checkpoint"  # DrafterConfig.training["source"] of a drafter loaded from one
 # names of weights that belong to other DFlash variants (e.g. DFlash2) we do not implement
 UNSUPPORTED_PREFIXES = ("candidate_selector.", "attention_conv", "mlp_conv")
 
@@ -106,7 +178,7 @@ def zlab_drafter_config(cfg: dict, target_arch: ArchConfig, target_config=None) 
         raise ValueError(f"mask_token_id {mask_id} is outside the target's vocabulary ({target_arch.vocab_size})")
     return DrafterConfig(
         kind="dflash", arch=arch, num_layers=layers, block_size=int(cfg.get("block_size") or dc.get("block_size") or 16),
-        target_layer_ids=ids, mask_token_id=int(mask_id), training={"source": "z-lab DFlash checkpoint"},
+        target_layer_ids=ids, mask_token_id=int(mask_id), training={"source": ZLAB_SOURCE},
     )
 
 
