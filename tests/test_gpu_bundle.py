@@ -19,7 +19,7 @@ PROMPTS = ["what is two plus two?", "tell me a story", "count to ten"]
 
 @pytest.fixture(scope="module")
 def gpu_way():
-    """toy-qwen3 loaded the way a GPU bundle is: no shipped D3D drafter, ``d3d_adapter_rank`` set (a fresh bundle,
+    """toy-qwen3 loaded the way a GPU bundle is: no shipped D3D drafter, its D3D spec with ``adapter_rank`` set (a fresh bundle,
     not the session's)."""
     spec = BUNDLES["toy-qwen3"]
     BUNDLES["toy-qwen3"] = replace(spec, drafters=(DrafterSpec("d3d", adapter_rank=4), spec.drafter("dflash")))

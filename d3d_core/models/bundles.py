@@ -216,7 +216,6 @@ def load_bundle(spec: BundleSpec, device: str = "cpu", dtype=None, trust_remote_
     costs = dict(costs_fp32=shipped_costs(spec.name), costs_int4=shipped_costs(spec.name, "int4")) if device == "cpu" else {}
     # an hf target's memory check counts a DFlash drafter checkpoint as about an eighth of the target
     share = 1.125 if any(d.kind == "dflash" and d.source for d in drafters) else 1.0
-
     fetch = tuple((d.source, f"{KIND_NAMES[d.kind]} drafter") for d in drafters if d.source)
 
     t = load_target(spec.target, spec.name, device, dtype, trust_remote_code, memory_factor=share, fetch=fetch)

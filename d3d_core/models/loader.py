@@ -61,8 +61,8 @@ def load_drafter(source, shared: SharedParts, arch: ArchConfig, device="cpu", dt
     if spec is not None and spec.source is None:  # built from the target
         d = _untrained(spec, shared, arch, dtype, block_size, seed, mask_embedding)
         return d if spec.kind == "d3d" and spec.adapter_rank else d.to(device)
-    path = Path(source if spec is None else spec.source)
-    if spec is not None and not path.expanduser().is_dir():  # a hub id (a bundle's load has fetched it already: sources.load_target)
+    path = Path(source) if spec is None else Path(spec.source).expanduser()
+    if spec is not None and not path.is_dir():  # a hub id (a bundle's load has fetched it already: sources.load_target)
         path = Path(sources.resolve(spec.source, f"{spec.kind} drafter"))
     layout = directory_layout(path)
     if layout == "zlab":
