@@ -26,6 +26,7 @@ from .layers import ArchConfig, DecoderLayer, RMSNorm, SharedParts, to_device
 
 # ----------------------------------------------------------------------------- the config
 
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """Everything needed to rebuild a drafter (saved as JSON next to its weights)."""
