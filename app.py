@@ -17,6 +17,11 @@ if _DEFAULTS.is_file():
         if _eq and _key and not _key.startswith("#"):
             os.environ.setdefault(_key.strip(), _value.strip())
 
+if os.environ.get("D3D_TRACEMALLOC") == "1":  # the soak's --memory-census: Python's allocations by site, in /health
+    import tracemalloc
+
+    tracemalloc.start(1)
+
 from d3d_core.limits import APP_KERNEL_CACHE  # noqa: E402  (no torch inside: the caps below must precede torch)
 
 for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # bounded kernel caches: a flat RSS for weeks
