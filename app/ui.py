@@ -184,6 +184,8 @@ def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine=
     stats, sent = {}, {}
     for mode, tr, done in service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter,
                                        engine=engine, stats=stats):
+        if tr.finish_reason and not done:
+            continue  # the finished trace comes again at once, marked done and with its machine load: its spans cross once
         update, sent[mode] = trace_delta(tr, sent.get(mode))
         info = {"timed_out": flag.timed_out()}
         if "warm_s" in stats:
@@ -279,16 +281,15 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
                     yield (f"Running {', '.join(f'`{m}`' for m in modes)}{note}, taking turns round by round, on {info['description']} "
                            f"({engine} engine, target attention: {info['attention']}){gpu_note} …",
                            *_columns(state, live), state)
-        except ValueError as e:
-            health.count("failed")
-            gr.Warning(str(e))
-            finished = True
-            yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
-            return
         except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError) ends here, not in a traceback
             health.count("failed")
-            traceback.print_exc(file=sys.stderr)  # the Space's log keeps the details
             finished = True
+            if isinstance(e, ValueError) and not isinstance(e, gr.Error):  # a request the engine refused (gr.Error is a ValueError too)
+                gr.Warning(str(e))
+                yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
+                return
+            if not isinstance(e, gr.Error) or getattr(e, "print_exception", True):
+                traceback.print_exc(file=sys.stderr)  # the Space's log keeps the details
             try:
                 state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
             except (ValueError, OSError):
@@ -448,11 +449,12 @@ def measure_pruned(bundle, active, state):
             raise ValueError("keep at least one drafter layer")
         t0 = time.perf_counter()
         tau, full, n_anchors = pruned_tau(bundle, skip)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        gr.Warning(str(e))
-        return f"**Error:** {e}", gr.skip(), state
     except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError): said, not a traceback
-        traceback.print_exc(file=sys.stderr)
+        if isinstance(e, (ValueError, FileNotFoundError, OSError)) and not isinstance(e, gr.Error):
+            gr.Warning(str(e))
+            return f"**Error:** {e}", gr.skip(), state
+        if not isinstance(e, gr.Error) or getattr(e, "print_exception", True):
+            traceback.print_exc(file=sys.stderr)
         status = gpu_error_status(e, 0).split(" · ")[0]
         gr.Warning(status.replace("**", ""))
         return status, gr.skip(), state

@@ -27,6 +27,7 @@ from .models import bundles as _bundles
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, SHARED_ADAPTER_INFO, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafters import DrafterConfig
 from .schemas import AppSettings, checked
+from .training import offline_tau as _offline_tau
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
 
@@ -502,6 +503,22 @@ def project(profile_name: str, B: int, tau: float, hit_rate: float, H: int, veri
 _FULL_TAU: dict = {}
 _TAU_LOCK = threading.Lock()
 LIVE_TAU_BLOCK = 8
+
+
+def _fresh_locks_in_child() -> None:
+    """In a process forked from this one (ZeroGPU's GPU worker) only the forking thread exists, so no lock can be
+    legitimately held there: a lock another server thread held at the fork would stay held forever. The locks on
+    a race's path (loading, warm-up, live τ) start free in the child."""
+    global _WARM_LOCK, _TAU_LOCK
+    _WARM_LOCK, _TAU_LOCK = threading.Lock(), threading.Lock()
+    for mod, names in ((_bundles, ("_LOCK", "_EXTRA_LOCK")), (_offline_tau, ("_CALIB_LOCK",))):
+        for name in names:
+            if isinstance(getattr(mod, name, None), type(threading.Lock())):
+                setattr(mod, name, threading.Lock())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
 def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
