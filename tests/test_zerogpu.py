@@ -211,7 +211,11 @@ def test_stop_ends_the_gpu_work_within_one_round_and_frees_the_lane(zerogpu, mon
     status, *cols, state = last
     assert t_stop is not None and status.startswith("**Stopped**"), status
     rows = read_log(log)
-    grew_after = [r for i, r in enumerate(rows) if r[0] > t_stop and any(p[1] == r[1] and p[2] < r[2] for p in rows[:i])]
+    had, grew_after = {}, []
+    for t, m, n in rows:  # the rounds each decode step added, and when
+        if t > t_stop and n > had.get(m, 0):
+            grew_after.append((t, m, n))
+        had[m] = n
     assert len(grew_after) <= 1, grew_after  # at most the round in flight when Stop was pressed
     # the reservation is over a minute here: ending this soon means the Stop, not the deadline, ended the worker
     assert t_end - t_stop < 30 and not standin.workers[-1].is_alive()
