@@ -28,6 +28,17 @@ STOP_DIR = os.path.join(tempfile.gettempdir(), f"d3d-stops-{os.getuid() if hasat
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
+def _fresh_lock_in_child() -> None:
+    """A GPU worker forked while a server thread held the registry's lock would wait on its copy forever: the child,
+    where only the forking thread exists, starts with a free one."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def _mark(run_id) -> Optional[str]:
     """The stop mark's path for a well-formed run id (uuid4 hex), else None."""
     return os.path.join(STOP_DIR, run_id) if isinstance(run_id, str) and _RUN_ID.match(run_id) else None

@@ -24,7 +24,7 @@ import importlib.util
 import os
 from typing import NamedTuple, Optional
 
-from d3d_core.limits import APP_QUEUE_MAX, APP_RACE_SECONDS
+from d3d_core.limits import APP_QUEUE_MAX
 
 SPACES_PIN = "spaces==0.51.3"  # the release this module was checked against (scripts/make_space.py pins it)
 
@@ -196,4 +196,4 @@ def merge_delta(prev, delta):
 
 
 __all__ = ["gpu_budget", "race_duration", "stream_duration", "maybe_gpu", "on_zerogpu", "stream_is_remote", "trace_delta",
-           "merge_delta", "gpu_error_status", "zerogpu_concurrency", "APP_RACE_SECONDS"]
+           "merge_delta", "gpu_error_status", "zerogpu_concurrency"]

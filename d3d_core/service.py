@@ -283,7 +283,8 @@ def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, ski
     take their turns, and while the caller renders what it was given), and each turn ends quiescent (d3d-async's
     drafter thread has nothing in flight), so no mode runs, or is timed, during another's turn. Before the first
     race of a configuration every forward shape each mode will use is warmed, at that mode's thread counts
-    (``decoding.warm``), so no mode pays a first use another does not. Each finished trace carries the machine's load
+    (``decoding.warm``), so no mode pays a first use another does not; on a GPU only the bundle's warm-up runs,
+    once per process (:func:`warms_shapes`). Each finished trace carries the machine's load
     over its own turns (``load``). A cancel ends every mode within a round (finish "cancelled").
 
     ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the D3D modes use. ``skip_layers``: None
