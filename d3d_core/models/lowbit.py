@@ -26,6 +26,7 @@ compiler, without AVX2 / FMA / F16C, or with ``D3D_LOWBIT=off`` runs torch's int
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -50,6 +51,8 @@ SOURCE = Path(__file__).with_name("lowbit.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
 NEEDS = ("avx2", "fma", "f16c")
 KERNEL_NAME = "lowbit AVX2 (4-bit codes x 8-bit activations, row-invariant)"
+# profiler labels of the two calls (a ctypes call is no torch op), so the cost breakdown (measure/costs.py) can read them
+GEMM_LABEL, ATTENTION_LABEL = "d3d::lowbit_gemm", "d3d::lowbit_attention"
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded ctypes library; "status": (ok, why)
 
@@ -149,6 +152,13 @@ def _load() -> tuple:
     return lib, why
 
 
+def _label(name: str):
+    """A profiler region around a kernel call while a profiler runs (free otherwise)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 # ----------------------------------------------------------------------------- packing
 
 
@@ -228,7 +238,8 @@ class LowbitLinear:
             raise ValueError(f"low-bit linear takes 1 to {limits.LOWBIT_MAX_ROWS} rows (got {m})")
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         y = torch.empty(m, self.n, dtype=torch.float32)
-        rc = lib.lowbit_gemm(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, self.k * self.planes, y.data_ptr(), torch.get_num_threads())
+        with _label(GEMM_LABEL):
+            rc = lib.lowbit_gemm(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, self.k * self.planes, y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"the low-bit kernel refused its arguments (code {rc})")
         return y
@@ -252,8 +263,9 @@ def attention_into(lib, qk: torch.Tensor, nh: int, kc: torch.Tensor, vc: torch.T
     if qk.dtype != torch.float32 or qk.stride(2) != 1 or qk.stride(1) != hd or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("low-bit attention wants fp32 q rows with contiguous heads and contiguous K / V caches")
     y = torch.empty(n, nh * hd, dtype=torch.float32)
-    rc = lib.lowbit_attention(qk.data_ptr(), qk.stride(0), n, nh, nkv, hd, kc.data_ptr(), vc.data_ptr(), cap * hd, T, cap,
-                              hd**-0.5, y.data_ptr(), torch.get_num_threads())
+    with _label(ATTENTION_LABEL):
+        rc = lib.lowbit_attention(qk.data_ptr(), qk.stride(0), n, nh, nkv, hd, kc.data_ptr(), vc.data_ptr(), cap * hd, T, cap,
+                                  hd**-0.5, y.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"low-bit attention refused n {n}, heads {nh} / {nkv}, head dim {hd}, T {T}, capacity {cap} (code {rc})")
     return y
