@@ -3,6 +3,7 @@ fallback to torch's int4 kernel where it cannot build or is switched off."""
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +185,45 @@ def test_kernel_threads_share_torchs_openmp_runtime():
         gomp = {line.split()[-1] for line in f if "gomp" in line.split("/")[-1]}
     assert len(gomp) <= 1, gomp
     assert isinstance(lowbit.library(), ctypes.CDLL)
+
+
+# ----------------------------------------------------------------------------- the real bundle
+
+
+@pytest.mark.slow
+def test_real_bundle_verify_rows_are_one_row_steps_bitwise(smollm):
+    """What lossless rests on, on the bundled model: verifies of 1..16 rows, with rollbacks, from position 55 past 64
+    and 128 (the torch path's key-bucket edges), give every row exactly the logits one-row steps give it."""
+    t = smollm.target
+    seq = torch.randint(3, t.arch.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
+    with engine(t, "int4"):
+        a, b = t.new_cache(), t.new_cache()
+        if a.int4 is None or a.int4.kernel != "lowbit":
+            pytest.skip(f"the int4 engine runs {t.int4_info().get('kernel', 'no kernel')} here")
+        t.prefill(a, seq[:55])
+        t.prefill(b, seq[:55])
+        pos, widths = 55, (16, 8, 1, 3, 16, 5, 12, 9, 2, 16, 7, 4, 13, 6, 11, 10, 14, 15)
+        for B in widths:
+            blk = seq[pos : pos + B]
+            v = t.verify(a, blk).logits
+            s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
+            assert torch.equal(v, s), (pos, B)
+            keep = B // 2 + 1
+            t.rollback(a, B - keep)
+            t.rollback(b, B - keep)
+            pos += keep
+        assert pos > 2 * 64 + 8  # crossed both edges
+
+
+@pytest.mark.slow
+def test_real_bundle_packed_weights_are_the_ggufs(smollm):
+    """The low-bit kernel multiplies by the GGUF's own dequantised values (fp16 d and m exactly, no bf16)."""
+    from gguf import GGUFReader, quants
+
+    t = smollm.target
+    ts = {x.name: x for x in GGUFReader(str(t.int4_source.gguf)).tensors}
+    for name in ("blk.7.ffn_gate.weight", "blk.29.attn_v.weight", "token_embd.weight"):
+        x = ts[name]
+        raw, k = np.asarray(x.data), int(x.shape[0])
+        c = int4.q4_1_codes(raw, k) if x.tensor_type.name == "Q4_1" else int4.q8_0_codes(raw, k)
+        assert torch.equal(lowbit.packed_weight(c), torch.from_numpy(quants.dequantize(raw, x.tensor_type)).double()), name
