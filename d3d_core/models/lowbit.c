@@ -269,7 +269,7 @@ static void attend_one(const float *q, const float *k, const float *v, long ks, 
  * hs = capacity * hd); y: (n, nh * hd). Row i sees keys 0..T+i. 0 on success. */
 int lowbit_attention(const float *q, long qs, int n, int nh, int nkv, int hd, const float *k, const float *v, long hs, int T, int cap,
                      float scale, float *y, int threads) {
-    if (n <= 0 || nh <= 0 || nkv <= 0 || nh % nkv || hd % 8 || hd > 256 || T < 0 || T + n > cap || threads <= 0) return -1;
+    if (n <= 0 || nh <= 0 || nkv <= 0 || nh % nkv || hd <= 0 || hd % 8 || hd > 256 || T < 0 || T + n > cap || threads <= 0) return -1;
     const int g = nh / nkv, items = n * nh;
     float *scratch = (float *)malloc(sizeof(float) * ((size_t)(T + n + 8) * (threads > 1 ? threads : 1)));
     if (!scratch) return -2;
