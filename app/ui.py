@@ -54,7 +54,8 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through torch's int4 kernel, the fastest ar this app has, so "
+ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through this project's row-invariant low-bit "
+               "kernel (torch's int4 kernel where it cannot build; the race's status says which ran), the fastest ar this app has, so "
                "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
                "speculation more to win. Every mode is lossless against ar on the same engine.")
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -278,8 +279,9 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
                 if live and now - last >= STREAM_EVERY_S:
                     last = now
                     state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
+                    kernel = f", GEMM: {info['int4_kernel']}" if engine == "int4" else ""
                     yield (f"Running {', '.join(f'`{m}`' for m in modes)}{note}, taking turns round by round, on {info['description']} "
-                           f"({engine} engine, target attention: {info['attention']}){gpu_note} …",
+                           f"({engine} engine{kernel}, target attention: {info['attention']}){gpu_note} …",
                            *_columns(state, live), state)
         except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError) ends here, not in a traceback
             health.count("failed")
@@ -315,6 +317,8 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     health.trim()
     health.sweep()
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
+    if engine == "int4":
+        status += f" · int4 GEMM: {info['int4_kernel']}"
     if timed_out and budget is not None:
         status += (f" · stopped at the end of the GPU time reserved for this race ({budget.seconds} s, less {MARGIN_S} s kept "
                    "for starting the GPU worker and sending the last update); fewer modes or fewer new tokens fit inside it")

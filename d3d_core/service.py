@@ -126,6 +126,14 @@ def preload(name: str) -> Optional[str]:
     return None
 
 
+def int4_kernel() -> str:
+    """Which GEMM the int4 engine runs here, in words (the low-bit kernel, or torch's with the reason it fell back)."""
+    from .models import int4
+
+    st = int4.kernel_status()
+    return st.kernel if st.lowbit else f"{st.kernel}: {st.reason}"
+
+
 def bundle_summary(name: str) -> dict:
     b = _bundle(name)
     d3d = b.drafter("d3d")
@@ -141,6 +149,7 @@ def bundle_summary(name: str) -> dict:
         "d3d_active_layers": len(d3d.active_layers()),
         "block_size": default_block(name),
         "engine": b.target.engine,
+        "int4_kernel": int4_kernel(),
         "drafters": dict(b.drafter_info),
     }
 
