@@ -43,7 +43,7 @@ def test_four_hundred_races_no_trend_in_memory_threads_files_or_temp_files(tmp_p
 def test_planted_thread_fd_and_memory_leaks_each_fail_the_soak(tmp_path):
     """The instrument's calibration on a served app: a thread per race that never ends, a pipe per race never closed
     and 2 MiB kept per race, each planted in the server, each fail their own check of a short toy soak, naming what."""
-    cfg = SoakConfig(bundle="toy", visitors=2, races=60, minutes=15, warmup_races=10, max_prompt_words=8, max_new_tokens=6,
+    cfg = SoakConfig(bundle="toy", visitors=2, races=60, minutes=15, warmup_races=10, max_prompt_words=8, max_new_tokens=8,
                      temp_max_age_s=15, sample_every_s=0.25, stop_share=0.0, planted_leak_mib=2.0, planted_thread_leak=True,
                      planted_fd_leak=True)
     v = run(cfg, tmp_path)["verdict"]
