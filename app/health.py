@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import stat
 import tempfile
 import threading
@@ -113,7 +114,8 @@ def snapshot(demo=None) -> dict:
         "rss_mib": round(rss / 2**20, 1), "threads": threads, "open_fds": fds,
         "temp_files": n_tmp, "temp_bytes": tmp_bytes, "pid": os.getpid(),
         "heap_in_use_mib": heap.get("in_use_mib"), "heap_free_mib": heap.get("free_mib"), "heap_mmap_mib": heap.get("mmap_mib"),
-        "py_threads": py_threads(),
+        "py_threads": py_threads(), "thread_census": thread_census(demo), "fds_by_kind": fd_census(),
+        "memory_census": _memory_census_cached() if os.environ.get("D3D_MEMORY_CENSUS") == "1" else None,
     }
 
 
@@ -194,6 +196,183 @@ def py_threads() -> dict:
         key = t.name.split(" (")[0].rstrip("0123456789-_ ") or "thread"
         out[key] = out.get(key, 0) + 1
     return out
+
+
+# ----------------------------------------------------------------------------- every thread and fd, by pool and kind
+#
+# A soak judges threads and file descriptors exactly, not by a trend: every thread of the process belongs to a named
+# pool with a configured maximum, and every fd to a kind with a bound. A leak is then a thread outside every pool, a
+# pool above its maximum or a kind above its bound, at any sample; a pool that wanders within its maximum is no leak.
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_pools(demo=None) -> dict:
+    """Each named pool of Python threads and its maximum (``THREAD_POOLS`` resolved for this process)."""
+    workers = getattr(demo, "max_threads", None) or 40  # Gradio's AnyIO limiter: ``launch(max_threads=40)``
+    return {name: (workers if limit == "gradio_workers" else min(32, _cores() + 4) if limit == "asyncio_default" else limit)
+            for name, (_, limit, _) in THREAD_POOLS.items()}
+
+
+# pool -> (how its threads are recognised: a name prefix, or a target's module; its maximum; why that maximum)
+THREAD_POOLS = {
+    "main": ("MainThread", 1, "the interpreter's main thread"),
+    "gradio-server": ("module:uvicorn", 1, "uvicorn's Server.run, started in a thread by demo.launch()"),
+    "gradio-workers": ("AnyIO worker thread", "gradio_workers", "Gradio runs sync handlers on AnyIO's pool, capped by launch(max_threads)"),
+    "asyncio-executor": ("asyncio_", "asyncio_default", "the event loop's default executor: min(32, cores + 4)"),
+    "drafter-lane": ("d3d-drafter", 1, "d3d-async's drafter lane: one worker, one decode at a time (the decode lane's concurrency 1)"),
+    "probe-lane": ("d3d-probe-lane", 1, "the cost probe's second lane (measure.costs)"),
+}
+
+
+def _pool_of(t: threading.Thread) -> Optional[str]:
+    target = getattr(t, "_target", None)  # CPython keeps a running thread's target until run() returns
+    module = getattr(target, "__module__", "") or ""
+    for name, (match, _, _) in THREAD_POOLS.items():
+        if match.startswith("module:"):
+            if module.startswith(match[len("module:"):]):
+                return name
+        elif t.name == match or t.name.startswith(match):
+            return name
+    return None
+
+
+def thread_census(demo=None) -> dict:
+    """Every thread of this process: Python threads by pool (``pools``), those outside every pool by name
+    (``unknown``), and the native threads no Python thread accounts for (``native``: OpenMP teams of torch's
+    kernels, one team of ``cores - 1`` workers per Python thread that ran a parallel kernel, and torch's inter-op
+    pool of ``cores``), with ``native_max`` the most those can be."""
+    pools: dict = {}
+    unknown: list = []
+    py_ids = set()
+    for t in threading.enumerate():
+        py_ids.add(t.native_id)
+        pool = _pool_of(t)
+        if pool is None:
+            unknown.append(t.name)
+        else:
+            pools[pool] = pools.get(pool, 0) + 1
+    try:
+        tids = {int(x) for x in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: no native census
+        tids = None
+    native = None if tids is None else len(tids - py_ids)
+    n_py = len(py_ids)
+    cores = _cores()
+    return {"pools": pools, "unknown": sorted(unknown), "native": native, "native_max": n_py * (cores - 1) + cores,
+            "pool_max": thread_pools(demo)}
+
+
+def _fd_kind(link: str, sock: Optional[str]) -> str:
+    if link.startswith("socket:"):
+        return sock or "socket-other"
+    if link.startswith("pipe:"):
+        return "pipe"
+    if link.startswith("anon_inode:"):
+        return "anon-inode"  # epoll, eventfd, timerfd: the event loop's and the kernel libraries' own
+    if link.startswith("/dev/"):
+        return "dev"
+    return "file" if link.startswith("/") else "other"
+
+
+_TCP_OPEN = {"ESTABLISHED", "SYN_RECV", "SYN_SENT"}
+
+
+def fd_census() -> Optional[dict]:
+    """Open file descriptors by kind: ``tcp-listen``, ``tcp-open`` (connected), ``tcp-closing`` (the peer or we
+    closed; a socket the server forgets to close stays here), ``unix`` (the event loop's socket pairs), ``pipe``,
+    ``anon-inode``, ``dev``, ``file``, ``other``. None off Linux."""
+    import psutil
+
+    fd_dir = "/proc/self/fd"
+    if not os.path.isdir(fd_dir):
+        return None
+    sock: dict = {}
+    try:
+        for c in psutil.Process().net_connections(kind="all"):
+            if c.fd < 0:
+                continue
+            if c.family == getattr(socket, "AF_UNIX", None):
+                sock[c.fd] = "unix"
+            elif c.status == "LISTEN":
+                sock[c.fd] = "tcp-listen"
+            elif c.type != socket.SOCK_STREAM:
+                sock[c.fd] = "socket-other"
+            else:
+                sock[c.fd] = "tcp-open" if c.status in _TCP_OPEN else "tcp-closing"
+    except (psutil.Error, OSError):
+        pass
+    out: dict = {}
+    for name in os.listdir(fd_dir):
+        try:
+            link = os.readlink(f"{fd_dir}/{name}")
+        except OSError:  # closed between the listing and the read
+            continue
+        kind = _fd_kind(link, sock.get(int(name)))
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+
+def memory_census() -> dict:
+    """What holds the heap, read directly rather than inferred from a trend: the bytes of every live tensor storage
+    (each counted once), grouped by the dtype and the shape it was made for; the bytes Python's own allocator traced
+    (``tracemalloc``, when the process started with ``D3D_TRACEMALLOC=1``) with the ten sites that hold most; the
+    sizes of the app's own caches. Costs a full walk of the garbage collector's objects (0.1-0.5 s), so ``/health``
+    reports it only when ``D3D_MEMORY_CENSUS=1`` (the soak's ``--memory-census``)."""
+    import gc
+    import sys
+    import tracemalloc
+
+    torch = sys.modules.get("torch")
+    seen: set = set()
+    total = 0
+    by_kind: dict = {}
+    if torch is not None:
+        for o in gc.get_objects():
+            if not isinstance(o, torch.Tensor) or o.device.type != "cpu":
+                continue
+            try:
+                st = o.untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+            except (RuntimeError, NotImplementedError):  # a meta or packed tensor without a plain storage
+                continue
+            if ptr in seen or nbytes == 0:
+                continue
+            seen.add(ptr)
+            total += nbytes
+            key = f"{str(o.dtype).replace('torch.', '')}{list(o.shape)}"
+            by_kind[key] = by_kind.get(key, 0) + nbytes
+    top = sorted(by_kind.items(), key=lambda kv: -kv[1])[:8]
+    out = {"tensor_mib": round(total / 2**20, 2), "tensors": len(seen), "tensor_top_mib": {k: round(v / 2**20, 2) for k, v in top}}
+    if tracemalloc.is_tracing():
+        out["py_traced_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 2)
+        stats = tracemalloc.take_snapshot().statistics("lineno")[:10]
+        out["py_top_kib"] = {f"{st.traceback[0].filename.split('site-packages/')[-1]}:{st.traceback[0].lineno}": round(st.size / 1024, 1) for st in stats}
+    caches = {}
+    for mod, name in (("d3d_core.service", "_WARM"), ("d3d_core.service", "_FULL_TAU"), ("d3d_core.training.offline_tau", "_CALIB"),
+                      ("d3d_core.models.target", "_ROW_PLANS"), ("d3d_core.models.bundles", "_LOADED")):
+        m = sys.modules.get(mod)
+        if m is not None and hasattr(m, name):
+            caches[f"{mod.rsplit('.', 1)[-1]}.{name}"] = len(getattr(m, name))
+    out["cache_entries"] = caches
+    out["gc_objects"] = len(gc.get_objects())
+    return out
+
+
+_CENSUS = {"t": 0.0, "value": None}
+MEMORY_CENSUS_EVERY_S = 10.0  # a census walks every object: at most one per this many seconds, however often /health is polled
+
+
+def _memory_census_cached() -> dict:
+    now = time.time()
+    if _CENSUS["value"] is None or now - _CENSUS["t"] >= MEMORY_CENSUS_EVERY_S:
+        _CENSUS["value"], _CENSUS["t"] = memory_census(), now
+    return _CENSUS["value"]
 
 
 def trim() -> None:

@@ -51,6 +51,9 @@ class SoakConfig:
     warmup_races: int = 100  # memory is compared from here on (per-shape kernel caches fill for ~90 races)
     overload: int = 0  # visitors arriving at once in the overload phase (0: skip it)
     planted_leak_mib: float = 0.0  # a calibration run: the served app keeps this many MiB per race (the verdict must fail it)
+    planted_thread_leak: bool = False  # a calibration run: the served app starts a thread per race that never ends
+    planted_fd_leak: bool = False  # a calibration run: the served app opens a pipe per race and never closes it
+    memory_census: bool = False  # the server reports what holds its heap (tensor bytes, live objects, caches) every 10 s
     temp_max_age_s: int = 60  # the server's temp-file age (D3D_TEMP_MAX_AGE_S), short so a soak sees the cleanup work
     seed: int = 0
     sample_every_s: float = 1.0
@@ -68,18 +71,26 @@ def free_port() -> int:
     return port
 
 
-# ``--planted-leak-mib X``: the served app holds X MiB more after every race (touched pages, so RSS sees them),
-# a leak of known size that the verdict must catch — the instrument's own calibration, never used by the app
+# The instrument's own calibration, never used by the app: leaks of known size that the verdict must catch.
+# ``--planted-leak-mib X``: the served app holds X MiB more after every race (touched pages, so RSS sees them);
+# ``--planted-thread-leak``: it starts a thread per race that never ends; ``--planted-fd-leak``: it opens a pipe
+# per race and never closes it.
 _LEAK_BOOT = """
-import runpy, sys
+import os, runpy, sys, threading
 from app import health
 kept, real, n = [], health.count, int(float(sys.argv[1]) * 2**20)
+threads, fds = sys.argv[2] == "1", sys.argv[3] == "1"
+forever = threading.Event()
 def count(what):
     if what in ("races", "stopped"):
         kept.append(b"\\x01" * n)
+        if threads:
+            threading.Thread(target=forever.wait, daemon=True).start()
+        if fds:
+            kept.append(os.pipe())
     real(what)
 health.count = count
-sys.argv = sys.argv[2:]
+sys.argv = sys.argv[4:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -87,16 +98,19 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 class Server:
     """``python app.py`` on a free loopback port with private TMPDIR / GRADIO_TEMP_DIR."""
 
-    def __init__(self, temp_max_age_s: int = 900, planted_leak_mib: float = 0.0):
+    def __init__(self, temp_max_age_s: int = 900, planted_leak_mib: float = 0.0, planted_threads: bool = False, planted_fds: bool = False,
+                 memory_census: bool = False):
         self.tmp = Path(tempfile.mkdtemp(prefix="d3d-soak-"))
         self.port = free_port()
         env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(self.port), TMPDIR=str(self.tmp),
                    GRADIO_TEMP_DIR=str(self.tmp / "gradio"), GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1",
                    D3D_TEMP_MAX_AGE_S=str(temp_max_age_s))
+        if memory_census:
+            env["D3D_MEMORY_CENSUS"] = "1"  # D3D_TRACEMALLOC=1 in the soak's own environment adds Python's allocation sites
         self.log = open(self.tmp.parent / f"{self.tmp.name}.log", "w")
         cmd = [sys.executable, str(ROOT / "app.py")]
-        if planted_leak_mib > 0:
-            cmd = [sys.executable, "-c", _LEAK_BOOT, str(planted_leak_mib), str(ROOT / "app.py")]
+        if planted_leak_mib > 0 or planted_threads or planted_fds:
+            cmd = [sys.executable, "-c", _LEAK_BOOT, str(planted_leak_mib), str(int(planted_threads)), str(int(planted_fds)), str(ROOT / "app.py")]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}/"
 
@@ -257,7 +271,10 @@ def soak(cfg: SoakConfig, url: str, server: Optional[Server], raw: Optional[RawL
                 continue
             row = {"t": round(time.time() - t_start, 2), "races": len(races), "queue": h.get("queue_length"),
                    "rss_mib": h["rss_mib"], "threads": h["threads"], "fds": h["open_fds"], "app_temp_files": h["temp_files"],
-                   "heap_in_use_mib": h.get("heap_in_use_mib"), "heap_free_mib": h.get("heap_free_mib"), "py_threads": h.get("py_threads")}
+                   "heap_in_use_mib": h.get("heap_in_use_mib"), "heap_free_mib": h.get("heap_free_mib"), "py_threads": h.get("py_threads"),
+                   "thread_census": h.get("thread_census"), "fds_by_kind": h.get("fds_by_kind")}
+            if h.get("memory_census"):
+                row["memory_census"] = h["memory_census"]
             if proc is not None:
                 row["temp_files"], row["temp_bytes"] = server.files()
                 row["rss_mib"] = round(proc.memory_info().rss / 2**20, 1)
@@ -338,8 +355,12 @@ def soak(cfg: SoakConfig, url: str, server: Optional[Server], raw: Optional[RawL
 # ±0.03 MiB a race, and the same series with 0.4 MiB a race added at ≥ 13 % and ≥ 0.38 MiB a race.
 RSS_GROWTH_BAR = 0.02  # trend growth over the post-warm-up races, as a share of the level after warm-up
 RSS_SLOPE_BAR = 0.2  # MiB a race: a Space serving a thousand races a day must not keep 200 MiB of it
-THREADS_GROWTH_BAR = 3  # threads the trend may add over the post-warm-up races (pools grow on demand, then hold)
-FDS_GROWTH_BAR = 4
+# The heap's bytes in use (glibc's mallinfo2) wander more than RSS relative to their level (a toy soak: 250-315 MiB
+# after warm-up), and they count mmapped chunks whose untouched pages cost the host nothing (a Xeon's toy soak: heap
+# +0.25 MiB a race with RSS flat). RSS is the bar that protects a host; the heap's bars are wider and catch what RSS
+# would hide behind the allocator's reuse: a leak of 1 MiB a race fails both.
+HEAP_GROWTH_BAR = 0.25
+HEAP_SLOPE_BAR = 0.5
 BIN_RACES = 10  # samples are pooled per this many races (a race's own buffers swing RSS by up to 25 %)
 
 
@@ -387,10 +408,62 @@ def trend(samples: list, key: str, warm_from: int, n_races: int, bin_races: int 
             "end_gain": round(end - level, 2)}
 
 
-def _bounded(t: Optional[dict], bar: float) -> bool:
-    """A count (threads, fds) is bounded unless its trend adds more than ``bar`` over the judged races *and* its last
-    bins sit more than ``bar`` above its level after warm-up; not judged (False) without a trend."""
-    return t is not None and (t["growth"] <= bar or t["end_gain"] <= bar)
+# Threads and fds are judged exactly (``app.health.thread_census`` / ``fd_census``): at every sample, every thread in a
+# named pool within its maximum, the native threads within theirs, and every fd kind within its bound. No trend, so no
+# wander can pass for a leak and no leak hides in one: a leaked thread is outside every pool (or overfills its own) at
+# once, a leaked fd overfills its kind within a few races.
+FD_CONNS_PER_CLIENT = 4  # a gradio_client Client holds its HTTP keep-alive connections, a queue-status stream and a job's
+FD_BOUNDS = {            # fixed kinds: what the served app holds however long it runs (measured max, with its reason)
+    "tcp-listen": 2,     # uvicorn's listening socket (IPv4, and IPv6 where bound)
+    "unix": 8,           # the event loop's self-pipe socket pairs
+    "pipe": 8, "anon-inode": 8,  # epoll / eventfd of the event loop and of the kernel libraries
+    "dev": 4, "file": 8,  # stdin/out/err (redirected to the log), /dev/null, a temp file being written
+    "socket-other": 4, "other": 4,  # datagram sockets of a name lookup
+}
+
+
+def fd_bounds(clients: int) -> dict:
+    """Each fd kind's bound in a soak of ``clients`` gradio clients (visitors + the health sampler + overload)."""
+    return {**FD_BOUNDS, "tcp-open": FD_CONNS_PER_CLIENT * clients, "tcp-closing": FD_CONNS_PER_CLIENT * clients}
+
+
+def census_verdict(samples: list, clients: int) -> dict:
+    """Threads by pool and fds by kind at every sample against their maxima: the most seen of each, and every
+    excess with the race it was first seen at. ``judged`` False for a soak recorded before the census existed."""
+    rows = [r for r in samples if r.get("thread_census")]
+    if not rows:
+        return {"judged": False}
+    pool_max = rows[-1]["thread_census"]["pool_max"]
+    bounds = fd_bounds(clients)
+    seen_pools: dict = {}
+    seen_fds: dict = {}
+    native_seen = 0
+    excess: dict = {}  # what went over -> the first race it was seen at (the most seen: pools_max_seen, fds_max_seen, ...)
+
+    def over(what: str, race: int) -> None:
+        excess.setdefault(what, race)
+
+    for r in rows:
+        c = r["thread_census"]
+        for pool, n in c["pools"].items():
+            seen_pools[pool] = max(seen_pools.get(pool, 0), n)
+            if n > pool_max.get(pool, 0):
+                over(f"thread pool {pool} above its maximum {pool_max.get(pool, 0)}", r["races"])
+        for name in c["unknown"]:
+            over(f"thread outside every pool: {name}", r["races"])
+        if c.get("native") is not None:
+            native_seen = max(native_seen, c["native"])
+            if c["native"] > c["native_max"]:
+                over("native threads above their maximum", r["races"])
+        for kind, n in (r.get("fds_by_kind") or {}).items():
+            seen_fds[kind] = max(seen_fds.get(kind, 0), n)
+            if n > bounds.get(kind, 0):
+                over(f"fds {kind} above {bounds.get(kind, 0)}", r["races"])
+    threads_bad = {k: v for k, v in excess.items() if k.startswith(("thread", "native"))}
+    fds_bad = {k: v for k, v in excess.items() if k.startswith("fds")}
+    return {"judged": True, "samples": len(rows), "pools_max_seen": seen_pools, "pool_max": pool_max, "native_max_seen": native_seen,
+            "fds_max_seen": seen_fds, "fd_bounds": bounds, "threads_excess": threads_bad, "fds_excess": fds_bad,
+            "fds_judged": any(r.get("fds_by_kind") is not None for r in rows)}
 
 
 def verdict(res: dict, cfg: SoakConfig) -> dict:
@@ -405,8 +478,15 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
     if base and end:
         tail = s[-5:]
         trends = {k: trend(s, k, warm_from, n_races) for k in ("rss_mib", "threads", "fds", "heap_in_use_mib")}
+        census = census_verdict(s, cfg.visitors + 1 + cfg.overload)
+        out["census"] = census
+        if not census["judged"]:
+            out["census_not_judged"] = "the samples carry no thread / fd census (a soak recorded before it existed)"
         out["trends"] = {k: t for k, t in trends.items() if t}
         rss = trends["rss_mib"] or {}
+        heap_t = trends["heap_in_use_mib"]
+        if heap_t:
+            out.update(heap_mib_per_race=heap_t["per_race"], heap_slope_ci90=heap_t["per_race_ci90"], heap_growth=heap_t["growth_share"])
         out.update(rss_after_warmup_mib=rss.get("level"), rss_mib_per_race=rss.get("per_race"), rss_slope_ci90=rss.get("per_race_ci90"),
                    rss_growth=rss.get("growth_share"), rss_growth_ci90=rss.get("growth_share_ci90"))
         # the old two-ends reading, kept for the record: medians over the first and last spans of races
@@ -424,7 +504,7 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
         heap = [r for r in warm if r.get("heap_in_use_mib") is not None]
         if len(heap) >= 2:
             out["heap_in_use_mib"] = [heap[0]["heap_in_use_mib"], heap[-1]["heap_in_use_mib"]]
-            out["heap_free_mib"] = [heap[0]["heap_free_mib"], heap[-1]["heap_free_mib"]]
+            out["heap_free_mib"] = [heap[0].get("heap_free_mib"), heap[-1].get("heap_free_mib")]
         # what may still be on disk: ≤ 4 files per file-writing action in the last cleanup window
         # (age + the check period), plus the first page's fixed files
         window = cfg.temp_max_age_s + max(10, cfg.temp_max_age_s // 3) + 5
@@ -438,8 +518,11 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
             # pools (AnyIO's workers, the drafter lane) grow on demand and then hold, and idle workers leave: a count that
             # wanders 15-19 can fit a slope of +3 over 300 races by chance (it did, once: threads 15 after warm-up, 16 at
             # the end). A leak both trends and keeps what it gained, so a count fails only when both pass the bar.
-            "threads_flat": _bounded(trends["threads"], THREADS_GROWTH_BAR),
-            "fds_flat": _bounded(trends["fds"], FDS_GROWTH_BAR) or all(r["fds"] is None for r in s),  # no fd count off Linux
+            # None where the server reported no heap (not glibc): not judged, and said so
+            "heap_flat": None if heap_t is None else (heap_t["growth_share"] is not None and heap_t["growth_share"] < HEAP_GROWTH_BAR
+                                                      and heap_t["per_race"] < HEAP_SLOPE_BAR),
+            "threads_in_pools": (not census["threads_excess"]) if census["judged"] else None,
+            "fds_in_bounds": (not census["fds_excess"]) if census["judged"] and census["fds_judged"] else None,  # no fd census off Linux
             "temp_bounded": out["temp_files_end"] <= out["temp_files_bound"],
         }
     waits = [r["wait_s"] for r in res["races"]]
@@ -581,7 +664,7 @@ def run(cfg: SoakConfig, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     steps = Steps(raw=out / "soak.unwritten.json")  # where the record goes if soak.json cannot be written
     raw = RawLog(out / "soak.raw.jsonl")
-    server = None if cfg.url else Server(cfg.temp_max_age_s, cfg.planted_leak_mib)
+    server = None if cfg.url else Server(cfg.temp_max_age_s, cfg.planted_leak_mib, cfg.planted_thread_leak, cfg.planted_fd_leak, cfg.memory_census)
     url = cfg.url or server.url
     doc = {"config": asdict(cfg), "machine": machine_info()}
     try:
@@ -647,12 +730,15 @@ def passed(doc: dict) -> bool:
     if doc.get("failed_steps"):
         return False
     checks = {**doc.get("verdict", {}).get("pass", {}), **doc.get("overload", {}).get("pass", {})}
-    return all(checks.values())
+    return bool(checks) and all(ok for ok in checks.values() if ok is not None)  # None: not judged (said in the verdict)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.soak", description=__doc__.split("\n\n")[0])
     for f, default in asdict(SoakConfig()).items():
+        if isinstance(default, bool):
+            ap.add_argument("--" + f.replace("_", "-"), action="store_true")
+            continue
         kind = str if default is None else type(default)
         ap.add_argument("--" + f.replace("_", "-"), type=kind, default=default)
     ap.add_argument("--out", default=None, help="directory for soak.json and soak.html (default $D3D_CACHE/soak/<time>)")

@@ -8,7 +8,9 @@ process, outside any GPU window, and shared read-only. The GPU work of a race is
 from __future__ import annotations
 
 import os
+import sys
 import time
+import traceback
 
 import gradio as gr
 
@@ -21,7 +23,21 @@ from d3d_core.measure.reading import race_load
 
 from . import engine_views, explain, figures, health, runs
 from .export import race_html, traces_json_of
-from .spaces_gpu import PRUNING_SECONDS, maybe_gpu, stream_duration, zerogpu_installed
+from .spaces_gpu import (
+    MARGIN_S,
+    PRUNING_SECONDS,
+    gpu_budget,
+    gpu_error_status,
+    max_duration,
+    maybe_gpu,
+    merge_delta,
+    on_zerogpu,
+    quota_seconds,
+    stream_duration,
+    stream_is_remote,
+    trace_delta,
+    zerogpu_concurrency,
+)
 from .tokens import ar_time_per_token, column_html, drafter_confound, legend_html
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, drafting every round, the drafter as the
@@ -38,7 +54,8 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through torch's int4 kernel, the fastest ar this app has, so "
+ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through this project's row-invariant low-bit "
+               "kernel (torch's int4 kernel where it cannot build; the race's status says which ran), the fastest ar this app has, so "
                "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
                "speculation more to win. Every mode is lossless against ar on the same engine.")
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -152,28 +169,50 @@ def d3d_picker(bundle):
     return gr.update(choices=[(lab, n) for n, lab in names.items()], value="d3d", visible=len(names) > 1)
 
 
-def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine=None):
-    """The GPU part of a race: decode every mode, streaming (mode, trace, done). Its arguments and what it yields are
-    plain, picklable data; on ZeroGPU it runs in the GPU worker (``race_stream``), where the CUDA streams and events
-    of each decode are created. It stops at the race's cancel flag (``app.runs``) or, in a worker that cannot see
-    that flag, at the race's time limit."""
-    flag = runs.flag(run_id, APP_RACE_SECONDS)
-    yield from service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter, engine=engine)
+def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine=None, seconds=None):
+    """The GPU part of a race: decode every mode, streaming ``(mode, update, done, info)``. Its arguments and what it
+    yields are plain, picklable data; on ZeroGPU it runs in the GPU worker (``race_stream``), where the CUDA streams
+    and events of each decode are created. ``update`` holds only what is new since the mode's previous one
+    (``spaces_gpu.trace_delta``; ``merge_delta`` rebuilds the Trace); ``info``: ``timed_out`` (the race's time
+    limit has passed), and on the first item ``warm_s`` (seconds this race spent warming up; 0: already warm).
+
+    It stops before the next round once the race is cancelled (``app.runs``: in a worker, through the stop mark) or
+    its time is up: ``seconds`` is the GPU time reserved for it (ZeroGPU), and the worker stops ``MARGIN_S`` before
+    that reservation ends, counted from the moment it starts here; without ``seconds``, the race's clock is the
+    handler's (``APP_RACE_SECONDS`` from the bundle's load)."""
+    deadline = APP_RACE_SECONDS if seconds is None else max(1.0, float(seconds) - MARGIN_S)
+    flag = runs.flag(run_id, deadline)  # in the handler's process its own flag; in a GPU worker a fresh one, clock from now
+    stats, sent = {}, {}
+    for mode, tr, done in service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter,
+                                       engine=engine, stats=stats):
+        if tr.finish_reason and not done:
+            continue  # the finished trace comes again at once, marked done and with its machine load: its spans cross once
+        update, sent[mode] = trace_delta(tr, sent.get(mode))
+        info = {"timed_out": flag.timed_out()}
+        if "warm_s" in stats:
+            info["warm_s"] = stats.pop("warm_s")
+        yield mode, update, done, info
 
 
 race_stream = maybe_gpu(_race_stream, duration=stream_duration)  # at import: ZeroGPU registers GPU functions before launch
 
 
 def _stream_is_remote() -> bool:
-    """Whether race_stream runs in another process (ZeroGPU's worker), where the cancel flag cannot reach it: the
-    handler then stops reading it instead."""
-    return zerogpu_installed() and bool(os.environ.get("SPACES_ZERO_GPU"))
+    """Whether race_stream runs in another process (ZeroGPU's worker), where only the stop mark reaches it."""
+    return stream_is_remote()
+
+
+def _rounds(state) -> int:
+    return sum(len(t.rounds) for t in _traces(state))
 
 
 def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state,
              d3d_drafter="d3d", engine=None):
     """Stream the race: columns after every round (throttled), plots at the end. The bundle is loaded here, before
-    the GPU part (``race_stream``) is entered."""
+    the GPU part (``race_stream``) is entered (on ZeroGPU it was loaded at start-up, and a request never loads one).
+    On ZeroGPU the race is sized to the GPU time a visitor may reserve (``spaces_gpu.gpu_budget``: fewer new tokens
+    where the request does not fit, said in the status line), and a failed GPU call (ZeroGPU's quota, queue and
+    worker errors) ends in the status line with the rounds that had arrived."""
     state = dict(state or empty_state())
     no = gr.skip()
     try:
@@ -186,6 +225,11 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         gr.Warning(str(e))
         yield (f"**Error:** {e}", *[no] * 4, state)
         return
+    zerogpu = on_zerogpu()
+    budget = gpu_budget(len(modes), base.max_new_tokens) if zerogpu else None
+    if budget is not None and budget.tokens < base.max_new_tokens:
+        base = base.with_(max_new_tokens=budget.tokens)
+    seconds = budget.seconds if budget is not None else None
     run_id = runs.start()
     flag = runs.get(run_id)
     state.update(bundle=bundle, traces={}, pieces={}, run=run_id)
@@ -210,39 +254,58 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
         note = f" with D3D layers {skip} skipped" if skip else (" with every D3D layer" if skip is not None else "")
         if d3d_drafter != "d3d":
             note += f" with the `{d3d_drafter}` D3D drafter"
+        gpu_note = ""
+        if budget is not None:
+            gpu_note = f" · reserving {budget.seconds} s of GPU" + (f" · {budget.note}" if budget.note else "")
         last = 0.0
-        flag.start_clock(APP_RACE_SECONDS)  # a shared server: nobody holds the decode lane for long
         remote = _stream_is_remote()
-        gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine)
+        if not remote:
+            flag.start_clock(APP_RACE_SECONDS)  # a shared server: nobody holds the decode lane for long
+        gen = race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine, seconds)
         live = set(modes)
+        warm_s, worker_timed_out = None, False
         try:
-            for mode, tr, done in gen:
+            for mode, update, done, item in gen:
                 # The modes take turns round by round (service.race); every mode's clock is stopped while this
                 # handler runs, so building and sending an update never counts in a mode's time. Updates are
-                # throttled (STREAM_EVERY_S) and the last one comes with the final status below.
-                state["traces"][mode] = tr
+                # throttled (STREAM_EVERY_S) and the last one comes with the final status below. After a Stop the
+                # updates are still read to the end: the race stops at its next round, and every round is kept.
+                state["traces"][mode] = merge_delta(state["traces"].get(mode), update)
+                warm_s = item.get("warm_s", warm_s)
+                worker_timed_out = worker_timed_out or bool(item.get("timed_out"))
                 if done:
                     live.discard(mode)
                 now = time.perf_counter()
                 if live and now - last >= STREAM_EVERY_S:
                     last = now
                     state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
+                    kernel = f", GEMM: {info['int4_kernel']}" if engine == "int4" else ""
                     yield (f"Running {', '.join(f'`{m}`' for m in modes)}{note}, taking turns round by round, on {info['description']} "
-                           f"({engine} engine, target attention: {info['attention']}) …",
+                           f"({engine} engine{kernel}, target attention: {info['attention']}){gpu_note} …",
                            *_columns(state, live), state)
-                if remote and flag.is_set():
-                    break  # the worker cannot see the flag: stop reading it (it also stops at its own time limit)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError) ends here, not in a traceback
             health.count("failed")
-            gr.Warning(str(e))
             finished = True
-            yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
+            if isinstance(e, ValueError) and not isinstance(e, gr.Error):  # a request the engine refused (gr.Error is a ValueError too)
+                gr.Warning(str(e))
+                yield (f"**Error:** {e}", *_columns(state), state | {"run": None})
+                return
+            if not isinstance(e, gr.Error) or getattr(e, "print_exception", True):
+                traceback.print_exc(file=sys.stderr)  # the Space's log keeps the details
+            try:
+                state["pieces"].update(service.pieces(bundle, _traces(state), known=state["pieces"]))
+            except (ValueError, OSError):
+                pass
+            status = gpu_error_status(e, _rounds(state))
+            gr.Warning(status.replace("**", ""))
+            yield (status, *_columns(state), state | {"run": None})
             return
         finished = True
-        timed_out, cancelled = flag.timed_out(), flag.is_set()  # read as the loop ends, not after the teardown below
+        # read as the loop ends, not after the teardown below; on ZeroGPU the worker's clock decides
+        timed_out, cancelled = flag.timed_out() or worker_timed_out, flag.is_set()
     finally:
         if not finished:  # the visitor left mid-race (Gradio closed this generator): free the lane now
-            flag.set()
+            runs.cancel(run_id)  # also marks the race stopped for a GPU worker in another process
         if gen is not None:
             gen.close()
         runs.finish(run_id)
@@ -254,9 +317,18 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     health.trim()
     health.sweep()
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
-    if timed_out:
+    if engine == "int4":
+        status += f" · int4 GEMM: {info['int4_kernel']}"
+    if timed_out and budget is not None:
+        status += (f" · stopped at the end of the GPU time reserved for this race ({budget.seconds} s, less {MARGIN_S} s kept "
+                   "for starting the GPU worker and sending the last update); fewer modes or fewer new tokens fit inside it")
+    elif timed_out:
         status += (f" · stopped at this server's time limit ({APP_RACE_SECONDS} s per race, so that the queue keeps moving); "
                    "fewer modes or fewer new tokens fit inside it")
+    if budget is not None and budget.note:
+        status += f" · {budget.note}"
+    if remote and warm_s:
+        status += (f" · warm-up in this GPU worker: {warm_s:.1f} s (its first race; later races on the same worker skip it)")
     untrained = [k for k, v in info["drafters"].items() if str(v).startswith("untrained")]
     if untrained and any(m != "ar" for m in ran):
         status += (f" · note: the {' and '.join(untrained)} drafter(s) of this bundle are untrained (initialised from "
@@ -381,9 +453,15 @@ def measure_pruned(bundle, active, state):
             raise ValueError("keep at least one drafter layer")
         t0 = time.perf_counter()
         tau, full, n_anchors = pruned_tau(bundle, skip)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        gr.Warning(str(e))
-        return f"**Error:** {e}", gr.skip(), state
+    except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError): said, not a traceback
+        if isinstance(e, (ValueError, FileNotFoundError, OSError)) and not isinstance(e, gr.Error):
+            gr.Warning(str(e))
+            return f"**Error:** {e}", gr.skip(), state
+        if not isinstance(e, gr.Error) or getattr(e, "print_exception", True):
+            traceback.print_exc(file=sys.stderr)
+        status = gpu_error_status(e, 0).split(" · ")[0]
+        gr.Warning(status.replace("**", ""))
+        return status, gr.skip(), state
     state["skip"] = skip
     curve = service.pruning_curve(bundle)
     per_layer = service.drafter_layer_ms(bundle)
@@ -502,6 +580,23 @@ def upload_traces(file, state):
 # ----------------------------------------------------------------------------- layout
 
 
+def decode_concurrency() -> int:
+    """Decodes at once (races and Pruning measurements share the ``decode`` lane): one where they share this machine's
+    cores or its one GPU; on ZeroGPU each runs in its own GPU worker on its own lent GPU, so several
+    (``spaces_gpu.zerogpu_concurrency``)."""
+    return zerogpu_concurrency() if on_zerogpu() else 1
+
+
+def zerogpu_note() -> str:
+    """What a visitor of a ZeroGPU Space is told under the Run button: races at once, GPU time per race, longest wait."""
+    n, cap = decode_concurrency(), max_duration()
+    wait_min = -(-APP_QUEUE_MAX // n) * cap / 60
+    return (f"On this ZeroGPU Space each race borrows a GPU for at most {cap} s (a visitor without an account has "
+            f"{quota_seconds()} s of ZeroGPU a day; a longer request would be refused), so tokens × modes are capped and the "
+            f"status says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
+            f"reach about {wait_min:.0f} min. Stop ends the GPU work at its next round.")
+
+
 def build_demo() -> gr.Blocks:
     health.tune_malloc()
     lim = service.APP_LIMITS
@@ -557,6 +652,8 @@ def build_demo() -> gr.Blocks:
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
                     replay_btn = gr.Button("↻ Replay side by side (real time)", elem_id="replay")
                     export_btn = gr.Button("⬇ Export race as HTML", elem_id="export")
+                if on_zerogpu():
+                    gr.Markdown(zerogpu_note(), elem_id="zerogpu-note")
                 export_file = gr.File(label="Race as one HTML file (opens offline; the Traces tab can load it back)", interactive=False,
                                       elem_id="export-file", visible=False)
                 gr.HTML(legend_html())
@@ -701,7 +798,7 @@ def build_demo() -> gr.Blocks:
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine],
             race_outputs,
-            api_name="race", concurrency_limit=1, concurrency_id="decode",
+            api_name="race", concurrency_limit=decode_concurrency(), concurrency_id="decode",
         )
         run_ev = run_ev.then(race_views, [state], view_outputs, api_name="race_views")
         run_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
@@ -715,7 +812,7 @@ def build_demo() -> gr.Blocks:
         r_idx.release(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
         prev_btn.click(lambda m, i, s: step_round(m, i, -1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
         next_btn.click(lambda m, i, s: step_round(m, i, +1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
-        p_evt = dict(concurrency_limit=1, concurrency_id="decode")
+        p_evt = dict(concurrency_limit=decode_concurrency(), concurrency_id="decode")
         p_load.click(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name="pruning_curve")
         p_layers.input(measure_pruned, [bundle, p_layers, state], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
         bundle.change(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)

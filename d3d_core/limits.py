@@ -36,6 +36,12 @@ APP_KERNEL_CACHE = 128
 # trace downloads / race exports (the app's and Gradio's copies) older than this are deleted
 APP_TEMP_MAX_AGE_S = max(10, int(os.environ.get("D3D_TEMP_MAX_AGE_S", "900")))
 
+# ---- the low-bit GEMM (d3d_core/models/lowbit.py): the shapes its kernel accepts (SmolLM2-135M: N <= 49152, K <= 1536;
+# rows: a long prefill of the engine's largest prompt)
+LOWBIT_MAX_ROWS = 1 << 15
+LOWBIT_MAX_N = 1 << 20
+LOWBIT_MAX_K = 1 << 16
+
 # ---- loading a bundle (d3d_core/models/hardware.py): checked before anything is downloaded or loaded
 # a load needs its weights' bytes (parameters x dtype size) times this margin: conversion copies, KV caches, activations,
 # allocator slack (the GGUF conversion of smollm2-135m peaks at about 2x its fp32 weights for a moment)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -22,10 +23,12 @@ from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
 from .measure.clock import retime_all
 from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
+from .models import bundles as _bundles
 from .models.adapter import SHARED_ADAPTER_INFO
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafter import DrafterConfig
 from .schemas import AppSettings, checked
+from .training import offline_tau as _offline_tau
 from .training.offline_tau import anchors_for, calibration_set, offline_tau
 
 
@@ -88,6 +91,30 @@ def check_bundle(name) -> str:
     raise ValueError(f"unknown bundle {str(name)[:60]!r}; available: {', '.join(names)}")
 
 
+_STARTUP_ONLY = False  # a ZeroGPU Space: bundles load at start-up, never from a request (see load_at_startup_only)
+
+
+def load_at_startup_only(on: bool = True) -> None:
+    """From now on a bundle that is not loaded yet is refused instead of loaded (a ZeroGPU Space, after its start-up
+    preload: a request thread is outside ZeroGPU's CUDA emulation, so a load there would initialise CUDA in the main
+    process, which ZeroGPU forbids)."""
+    global _STARTUP_ONLY
+    _STARTUP_ONLY = bool(on)
+
+
+def _bundle(name: str):
+    """The loaded bundle ``name``: read without a lock once loaded (a GPU worker forked while another thread of the
+    server held the loader's lock would wait on it forever), loaded otherwise — or refused where bundles load at
+    start-up only."""
+    b = getattr(_bundles, "_LOADED", {}).get((name, "cpu")) if isinstance(name, str) else None  # get_bundle's key for the app's bundles; a dict read is atomic
+    if b is not None:
+        return b
+    if _STARTUP_ONLY:
+        raise ValueError(f"bundle {str(name)[:60]!r} is not loaded, and this Space loads its bundles at start-up only "
+                         "(ZeroGPU: a request may not move weights to the GPU); pick the bundle it opened on")
+    return get_bundle(name)
+
+
 def preload(name: str) -> Optional[str]:
     """Load a bundle now (a GPU Space loads its bundle at start-up, outside any GPU window); the reason as a
     sentence when it cannot be loaded (the app then starts anyway and says so at the first race)."""
@@ -100,8 +127,16 @@ def preload(name: str) -> Optional[str]:
     return None
 
 
+def int4_kernel() -> str:
+    """Which GEMM the int4 engine runs here, in words (the low-bit kernel, or torch's with the reason it fell back)."""
+    from .models import int4
+
+    st = int4.kernel_status()
+    return st.kernel if st.lowbit else f"{st.kernel}: {st.reason}"
+
+
 def bundle_summary(name: str) -> dict:
-    b = get_bundle(name)
+    b = _bundle(name)
     d3d = b.drafter("d3d")
     return {
         "name": b.name,
@@ -115,6 +150,7 @@ def bundle_summary(name: str) -> dict:
         "d3d_active_layers": len(d3d.active_layers()),
         "block_size": default_block(name),
         "engine": b.target.engine,
+        "int4_kernel": int4_kernel(),
         "drafters": dict(b.drafter_info),
     }
 
@@ -146,7 +182,7 @@ _WARM_LOCK = threading.Lock()
 def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=None) -> None:
     """ValueError unless the bundle (loaded here if it is not yet) has that D3D drafter and, with skip_layers, it is
     the default one — asked before a race starts, so nothing is refused inside a GPU window."""
-    names = get_bundle(bundle_name).d3d_names()
+    names = _bundle(bundle_name).d3d_names()
     if d3d_drafter not in names:
         raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
     if skip_layers is not None and d3d_drafter != "d3d":
@@ -177,7 +213,7 @@ def resolve_engine(bundle_name: str, engine: Optional[str]) -> tuple:
     fp32 with the reason (a CPU whose int4 kernel fails its self-test, a target without 4-bit weights)."""
     engine = check_engine(engine)
     if engine == "int4":
-        why = _no_int4(get_bundle(bundle_name).target)
+        why = _no_int4(_bundle(bundle_name).target)
         if why is not None:
             return "fp32", f"int4 is not available here ({why}): racing on fp32"
     return engine, ""
@@ -199,16 +235,57 @@ def on_engine(b, engine: str):
 
 
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
-         d3d_drafter: str = "d3d", engine: Optional[str] = None) -> Iterator[tuple]:
-    """``engine``: fp32 or int4 (:func:`check_engine`; None: the app's default); every mode of the race runs on it."""
+         d3d_drafter: str = "d3d", engine: Optional[str] = None, stats: Optional[dict] = None) -> Iterator[tuple]:
+    """``engine``: fp32 or int4 (:func:`check_engine`; None: the app's default); every mode of the race runs on it.
+    ``stats``: a dict that receives ``warm_s``, the seconds this race spent warming up (0 when this process had
+    already warmed everything it needs), before the first item is yielded."""
     engine = check_engine(engine)
-    b = get_bundle(bundle_name)
+    b = _bundle(bundle_name)
     with on_engine(b, engine):
-        yield from _race(b, bundle_name, prompt, modes, base, skip_layers, cancel, d3d_drafter, engine)
+        yield from _race(b, bundle_name, prompt, modes, base, skip_layers, cancel, d3d_drafter, engine, stats)
+
+
+def warms_shapes(device) -> bool:
+    """Whether a race warms every forward shape of each mode (``decoding.warm``) or only runs the bundle's warm-up:
+    on a CPU oneDNN builds a kernel per shape and thread count on first use, so each shape is warmed; on a GPU no
+    kernel is built per row count and, on ZeroGPU, every warm-up second is paid in each new GPU worker, so only
+    the warm-up runs (once per process)."""
+    import torch  # noqa: PLC0415  (already imported by the engine; a device type only, CUDA is not touched)
+
+    return torch.device(device).type == "cpu"
+
+
+def _warm(b, bundle_name: str, engine: str, d3d_drafter: str, d3d, modes: list, base: DecodeConfig) -> float:
+    """Warm what this race needs and this process has not warmed yet; the seconds it took. Once everything is warm
+    (a second race of the same shape, a reused GPU worker) no lock is taken: a GPU worker forked while a server
+    thread held one would wait on it forever."""
+    shapes = warms_shapes(b.target.device)
+    keys = [(bundle_name, engine)] + ([(bundle_name, d3d_drafter, engine)] if d3d_drafter != "d3d" else [])
+    per_mode = {}
+    if shapes:
+        for m in modes:  # every shape this race's modes will meet (verify widths, drafter rows, thread counts)
+            cfg = base.with_(mode=m)
+            per_mode[m] = (bundle_name, engine, d3d_drafter if m.startswith("d3d") else None, m, cfg.block_size, cfg.hypotheses,
+                           cfg.threads, mode_threads(cfg, b.target.device), warm_rows(cfg))
+    if all(k in _WARM for k in keys + list(per_mode.values())):
+        return 0.0
+    t0 = time.perf_counter()
+    with _WARM_LOCK:
+        if (bundle_name, engine) not in _WARM:
+            warm_up(b)  # the first race of a process (per engine) must not time weight packing
+            _WARM.add((bundle_name, engine))
+        if (bundle_name, d3d_drafter, engine) not in _WARM and d3d_drafter != "d3d":
+            warm_up(b, drafter=d3d)
+            _WARM.add((bundle_name, d3d_drafter, engine))
+        for m, key in per_mode.items():
+            if key not in _WARM:
+                warm_shapes(b, base.with_(mode=m), drafter=d3d if m.startswith("d3d") else None)
+                _WARM.add(key)
+    return time.perf_counter() - t0
 
 
 def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers, cancel, d3d_drafter: str,
-          engine: str) -> Iterator[tuple]:
+          engine: str, stats: Optional[dict] = None) -> Iterator[tuple]:
     """Race the modes on one prompt, streaming ``(mode, trace, done)`` after each mode's prefill and every round.
 
     The modes take turns, one round at a time, the turn going to the mode furthest behind in committed tokens
@@ -217,7 +294,8 @@ def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, ski
     take their turns, and while the caller renders what it was given), and each turn ends quiescent (d3d-async's
     drafter thread has nothing in flight), so no mode runs, or is timed, during another's turn. Before the first
     race of a configuration every forward shape each mode will use is warmed, at that mode's thread counts
-    (``decoding.warm``), so no mode pays a first use another does not. Each finished trace carries the machine's load
+    (``decoding.warm``), so no mode pays a first use another does not; on a GPU only the bundle's warm-up runs,
+    once per process (:func:`warms_shapes`). Each finished trace carries the machine's load
     over its own turns (``load``). A cancel ends every mode within a round (finish "cancelled").
 
     ``d3d_drafter``: which of the bundle's D3D drafters (``d3d_drafters``) the D3D modes use. ``skip_layers``: None
@@ -226,20 +304,9 @@ def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, ski
     check_race_drafter(bundle_name, d3d_drafter, skip_layers)
     modes = check_modes(modes)
     d3d = b.drafter(d3d_drafter)
-    with _WARM_LOCK:
-        if (bundle_name, engine) not in _WARM:
-            warm_up(b)  # the first race of a process (per engine) must not time weight packing
-            _WARM.add((bundle_name, engine))
-        if (bundle_name, d3d_drafter, engine) not in _WARM and d3d_drafter != "d3d":
-            warm_up(b, drafter=d3d)
-            _WARM.add((bundle_name, d3d_drafter, engine))
-        for m in modes:  # every shape this race's modes will meet (verify widths, drafter rows, thread counts)
-            cfg = base.with_(mode=m)
-            key = (bundle_name, engine, d3d_drafter if m.startswith("d3d") else None, m, cfg.block_size, cfg.hypotheses,
-                   cfg.threads, mode_threads(cfg, b.target.device), warm_rows(cfg))
-            if key not in _WARM:
-                warm_shapes(b, cfg, drafter=d3d if m.startswith("d3d") else None)
-                _WARM.add(key)
+    warm_s = _warm(b, bundle_name, engine, d3d_drafter, d3d, modes, base)
+    if stats is not None:
+        stats["warm_s"] = warm_s
     if skip_layers is not None:
         d3d = d3d.pruned(skip_layers)
     if cancel is not None and cancel.is_set():
@@ -261,7 +328,7 @@ def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, ski
 def pieces(bundle_name: str, traces: list, known: Optional[dict] = None) -> dict:
     """Readable text of every token id that appears in the traces and is not in ``known``
     (a streaming UI passes what it already has, so each id is decoded once per run)."""
-    b = get_bundle(bundle_name)
+    b = _bundle(bundle_name)
     ids = set()
     for t in traces:
         if t is None:
@@ -450,11 +517,27 @@ _TAU_LOCK = threading.Lock()
 LIVE_TAU_BLOCK = 8
 
 
+def _fresh_locks_in_child() -> None:
+    """In a process forked from this one (ZeroGPU's GPU worker) only the forking thread exists, so no lock can be
+    legitimately held there: a lock another server thread held at the fork would stay held forever. The locks on
+    a race's path (loading, warm-up, live τ) start free in the child."""
+    global _WARM_LOCK, _TAU_LOCK
+    _WARM_LOCK, _TAU_LOCK = threading.Lock(), threading.Lock()
+    for mod, names in ((_bundles, ("_LOCK", "_EXTRA_LOCK")), (_offline_tau, ("_CALIB_LOCK",))):
+        for name in names:
+            if isinstance(getattr(mod, name, None), type(threading.Lock())):
+                setattr(mod, name, threading.Lock())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
     """(offline τ with these D3D layers skipped, τ with every layer) on the bundle's small
     calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
 
-    b = get_bundle(bundle_name)
+    b = _bundle(bundle_name)
     d = b.drafter("d3d")
     seqs = calibration_set(b)
     with _TAU_LOCK:
@@ -480,11 +563,11 @@ def drafter_layer_ms(bundle_name: str) -> Optional[float]:
 
 
 def calibration_size(bundle_name: str) -> int:
-    return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(get_bundle(bundle_name)))
+    return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(_bundle(bundle_name)))
 
 
 __all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "gpu_profile_note", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
     "bundle_names", "app_bundle", "check_bundle", "preload", "default_engine", "check_engine", "resolve_engine", "engine_runs",
-    "check_race_drafter", "bundle_summary", "race", "pieces", "traces_json", "read_traces", "pruning_curve", "block_sweep",
+    "check_race_drafter", "bundle_summary", "race", "pieces", "load_at_startup_only", "warms_shapes", "traces_json", "read_traces", "pruning_curve", "block_sweep",
 ]

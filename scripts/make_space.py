@@ -6,10 +6,12 @@
 
 - ``cpu``: this repository as it is (the files git tracks or would add, as in the working tree): the README's front matter makes it
   a CPU Space serving the bundled SmolLM2-135M with its shipped drafters, offline.
-- ``zerogpu``: a ZeroGPU Space on ``qwen3-8b`` (Qwen3-8B, bf16). Its own front matter (Python 3.12, suggested
-  hardware ``zero-a10g``, the models preloaded at build time) and requirements (a torch ZeroGPU supports, plus
-  ``spaces``, which wraps the race's GPU part in ``@spaces.GPU``); ``space-defaults.env`` opens the app on
-  ``qwen3-8b``, offers only it, and loads it at start-up, in the main process.
+- ``zerogpu``: a ZeroGPU Space on ``qwen3-8b`` (Qwen3-8B, bf16). Its own front matter (Python 3.12.12, one of the
+  two the ZeroGPU page lists; no ``suggested_hardware``: the configuration reference lists no ZeroGPU value, so
+  ZeroGPU is picked in the Space's settings; the models preloaded at build time) and requirements (a torch ZeroGPU
+  supports, plus the ``spaces`` release this code was checked against, which wraps the race's GPU part in
+  ``@spaces.GPU``); ``space-defaults.env`` opens the app on ``qwen3-8b``, offers only it, and loads it at start-up,
+  in the main process (on ZeroGPU that load is mandatory: a Space that cannot load it stops with the reason).
 - ``gpu``: the same app for a dedicated GPU (suggested hardware ``a100-large``; no ``spaces``).
 
 The GPU recipes copy the code and the small JSON assets, not ``assets/drafters/`` (the CPU bundle's trained
@@ -26,13 +28,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from app.spaces_gpu import DURATION_FACTOR, MARGIN_S, QUOTA_SECONDS, SPACES_PIN, ZEROGPU_CONCURRENCY  # noqa: E402  (one pin, read by the code it was checked against)
+
+sys.path.remove(str(ROOT))
 KINDS = ("cpu", "zerogpu", "gpu")
 
-# ZeroGPU runs torch 2.8 to 2.11 on Python 3.10 / 3.12 (no torch.compile, no nvcc: prebuilt wheels only);
-# this repository pins torch 2.13 on Python 3.11 for the CPU, so a GPU Space gets its own pins
+# ZeroGPU runs torch 2.8 to 2.11 on Python 3.12.12 / 3.10.13 (its page's "Supported Versions"; no torch.compile, no
+# nvcc: prebuilt wheels only); this repository pins torch 2.13 on Python 3.11 for the CPU, so a GPU Space gets its own pins
 GPU_TORCH = "torch==2.9.1"
-GPU_PYTHON = "3.12"
-HARDWARE = {"zerogpu": "zero-a10g", "gpu": "a100-large"}  # the Space's suggested hardware (chosen in its settings)
+GPU_PYTHON = "3.12.12"
+# the Space's suggested hardware, from the configuration reference's list of valid flavors (which has no ZeroGPU
+# value: a ZeroGPU Space says none and is switched to ZeroGPU in its settings)
+HARDWARE = {"zerogpu": None, "gpu": "a100-large"}
 GPU_MODELS = ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")
 GPU_ENV = {"D3D_BUNDLE": "qwen3-8b", "D3D_BUNDLES": "qwen3-8b", "D3D_PRELOAD": "1"}
 # what a GPU Space runs: the app, the engine and the small JSON assets (tests, docs and the CPU drafters stay behind)
@@ -66,7 +74,7 @@ def front_matter(kind: str) -> str:
         f"sdk_version: {gradio_version()}",
         "app_file: app.py",
         f'python_version: "{GPU_PYTHON}"',
-        f"suggested_hardware: {HARDWARE[kind]}",
+        *([f"suggested_hardware: {HARDWARE[kind]}"] if HARDWARE[kind] else []),
         "startup_duration_timeout: 1h",
         "models:",
         *[f"  - {m}" for m in GPU_MODELS],
@@ -98,13 +106,23 @@ def gpu_requirements(kind: str) -> str:
         keep.append(name)
     head = [f"# {kind} Space of D3D Studio (written by scripts/make_space.py): a torch {('ZeroGPU supports' if kind == 'zerogpu' else 'with CUDA')}",
             GPU_TORCH]
-    tail = ["psutil>=5.9"] + (["spaces"] if kind == "zerogpu" else [])
+    tail = ["psutil>=5.9"] + ([SPACES_PIN] if kind == "zerogpu" else [])
     return "\n".join(head + keep + tail) + "\n"
 
 
 def gpu_readme(kind: str) -> str:
     where = ("ZeroGPU: a GPU is lent to each race (`@spaces.GPU`, duration sized from the request)" if kind == "zerogpu"
              else "a dedicated GPU")
+    cap = int(QUOTA_SECONDS / DURATION_FACTOR)
+    zero = (f"""
+**ZeroGPU.** Pick *ZeroGPU* as this Space's hardware in its settings (the configuration reference has no
+`suggested_hardware` value for it). The bundle loads at start-up, always: if it cannot, the Space stops with the
+reason in its log. Each race reserves at most {cap} s of GPU (times `spaces`' duration factor of up to {DURATION_FACTOR},
+within the {QUOTA_SECONDS} s a visitor without an account has a day; `D3D_GPU_QUOTA_S` raises it for visitors who sign
+in), with new tokens × modes capped to fit and the cap said in the status line; the worker stops its race {MARGIN_S} s
+before its reservation ends. {ZEROGPU_CONCURRENCY} races run at once (`D3D_GPU_CONCURRENCY`). Stop ends the GPU work at
+its next round.
+""" if kind == "zerogpu" else "")
     return front_matter(kind) + f"""# D3D Studio on a GPU
 
 This Space is D3D Studio's GPU recipe for {where}: it serves the `qwen3-8b` bundle — `Qwen/Qwen3-8B` in bf16,
@@ -116,7 +134,7 @@ adapter drafter** (the target's own layers, no copy, with untrained adapters: dr
 of the same name in the Space's settings overrides each. The models are downloaded when the Space is built
 (`preload_from_hub`) and loaded once at start-up. Written by `scripts/make_space.py --kind {kind}`; the source,
 the CPU Space and the documentation are in the D3D Studio repository.
-"""
+{zero}"""
 
 
 def write_space(kind: str, out: Path, root: Path = ROOT, force: bool = False) -> list:

@@ -42,6 +42,9 @@ if [[ ! -f $stamp || "$(cat $stamp)" != "$hash" ]]; then
   fi
   echo "$hash" > "$stamp"
 fi
+# the int4 engine's low-bit kernel (d3d_core/models/lowbit.c): compiled once into $D3D_CACHE/kernels with the system C
+# compiler (about a second), else the engine runs torch's int4 kernel and this line says why
+.venv/bin/python -m d3d_core.models.lowbit >&2 || echo "[setup] could not probe the low-bit kernel: the int4 engine will say which kernel runs" >&2
 if [[ $LLAMA == 1 ]] && { [[ $REBUILD == 1 ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; }; then
   echo "[setup] compiling llama-cpp-python==$LLAMA_CPP_VERSION for this CPU (5-10 minutes on two cores)" >&2
   # built for this CPU (-march=native) but without AMX: Xeons report AMX tiles that VMs often do not enable, and

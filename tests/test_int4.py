@@ -117,8 +117,8 @@ def test_int4_engine_matches_a_dequantised_fp32_reference_on_toy(toy):
         for layer, d in zip(base.layers, layers):
             for role, mod in (("q", layer.self_attn.q_proj), ("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj),
                               ("o", layer.self_attn.o_proj), ("gate", layer.mlp.gate_proj), ("up", layer.mlp.up_proj), ("down", layer.mlp.down_proj)):
-                mod.weight.copy_(int4.effective_weight(d[role]).float())
-        model.get_output_embeddings().weight.copy_(int4.effective_weight(head).float())
+                mod.weight.copy_(int4.kernel_weight(d[role]).float())
+        model.get_output_embeddings().weight.copy_(int4.kernel_weight(head).float())
     ref_t = Target(model, name="toy-dequantised")
     ids = torch.randint(3, t.arch.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
     with engine(t, "int4"):
@@ -128,7 +128,8 @@ def test_int4_engine_matches_a_dequantised_fp32_reference_on_toy(toy):
     ref = torch.cat([ref_t.prefill(c, ids[:32]).logits, ref_t.verify(c, ids[32:]).logits])
     err = (got - ref).abs().max().item()
     scale = ref.abs().max().item()
-    assert err <= 0.01 * scale, (err, scale)  # bf16 activations through 4 layers (measured: 0.34 %)
+    # bf16 activations through 4 layers (torch's kernel, measured: 0.34 %); 8-bit block activations (lowbit: 1.4 %)
+    assert err <= (0.03 if int4.kernel_status().lowbit else 0.01) * scale, (err, scale)
     top2 = ref.topk(2, -1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * err  # where the reference's choice is not a near-tie
     assert clear.sum() >= 5 and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])

@@ -244,16 +244,36 @@ def test_fifty_runs_memory_and_threads(server):
     _, url = server
     c = _client(url)
     proc = psutil.Process()
+    from app.health import _pool_of, thread_census
+
     rss, threads = [], []
+    before = None
     for i in range(50):
         c.predict(*dict(RACE, prompt=f"run {i}: count with me", max_new_tokens=48).values(), api_name="/race")
         rss.append(proc.memory_info().rss / 2**20)
         threads.append(threading.active_count())
+        if before is None:  # after the first race: the client's and the server's long-lived threads have started
+            before = set(threading.enumerate())
     growth = (rss[-1] - rss[0]) / rss[0]
     print(f"\n50 runs: RSS after run 1 {rss[0]:.0f} MiB, after run 50 {rss[-1]:.0f} MiB ({growth:+.1%}); "
           f"curve every 10: {[round(x) for x in rss[::10]]}; threads {threads[0]} -> {threads[-1]}")
     assert growth < 0.10
-    assert threads[-1] <= threads[0] + 2
+    # threads, exactly rather than by count (pools grow and shrink on demand): every thread started since the first
+    # race either belongs to a named pool within its maximum or ends once its job is done; a leaked one never ends
+    census = thread_census()
+    assert all(census["pools"].get(p, 0) <= census["pool_max"][p] for p in ("gradio-workers", "drafter-lane")), census
+    new = [t for t in threading.enumerate() if t not in before and _pool_of(t) is None]
+    for t in new:
+        t.join(10)
+    # a concurrent.futures pool (gradio_client's job pool here) keeps idle workers up to its max_workers: a pool
+    pooled = [t for t in new if getattr(getattr(t, "_target", None), "__module__", "") == "concurrent.futures.thread"]
+    executors: dict = {}
+    for t in pooled:
+        ex = t._args[0]()  # the worker's weak reference to its executor
+        if ex is not None:
+            executors.setdefault(id(ex), [ex, 0])[1] += 1
+    assert all(n <= ex._max_workers for ex, n in executors.values()), executors
+    assert not [t.name for t in new if t.is_alive() and t not in pooled], [t.name for t in new]
 
 
 # ----------------------------------------------------------------------------- 5. network and files

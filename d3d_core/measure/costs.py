@@ -246,8 +246,8 @@ def costs_text(c: dict) -> str:
 # (``rawfirst``): a failing step is named, recorded in ``failed_steps`` and the command exits 1.
 
 GEMM_OPS = ("mkldnn::_linear_pointwise", "quantized::linear_dynamic", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear",  # int8: drafters
-            "aten::_weight_int4pack_mm_for_cpu")  # the int4 engine's GEMMs
-ATTENTION_OPS = ("aten::scaled_dot_product_attention",)  # an attention call, its kernel inside it
+            "aten::_weight_int4pack_mm_for_cpu", "d3d::lowbit_gemm")  # the int4 engine's GEMMs (torch's kernel, or lowbit.py's)
+ATTENTION_OPS = ("aten::scaled_dot_product_attention", "d3d::lowbit_attention")  # an attention call, its kernel inside it
 PARTS = ("layer_gemm", "attention", "lm_head", "other")
 
 

@@ -15,10 +15,19 @@ bundled GGUF's own blocks, never re-quantised from fp32:
   bytes, and the only change is bf16(d) for d.
 
 Everything else stays as the fp32 fast engine has it: the embedding lookup (the Q8_0 values dequantised),
-RMSNorm weights (F32 in the GGUF), RoPE, attention and the residual stream in fp32. Each int4 GEMM rounds its
-input to bf16 and its output is bf16; the kernel computes every output row on its own (the same fp32
-accumulation order whatever the row count), which :func:`self_test` checks on this machine, so a verify over
-B rows gives each row the logits a one-row step gives it and every mode stays lossless against ``ar``.
+RMSNorm weights (F32 in the GGUF), RoPE, attention and the residual stream in fp32.
+
+Two GEMM kernels run these codes; :func:`kernel_status` says which (the Race and Benchmarks tabs show it):
+
+- **lowbit** (``lowbit.py``, the default where it builds: Linux x86-64 with AVX2, FMA, F16C and a C compiler): the
+  codes with the GGUF's fp16 d and m exactly, 8-bit per-block activations, integer dots; reads each weight block
+  once for all rows, so a verify of 8 rows costs far less than 8 steps;
+- **torch** (``_weight_int4pack_mm_for_cpu``, the fallback, or ``D3D_LOWBIT=off``): bf16 activations, bf16 scale
+  and zero, fp32 accumulation, bf16 out; re-reads and unpacks the weights for every row.
+
+Either computes every output row on its own (the same accumulation order whatever the row count), which each
+kernel's self-test checks on this machine, so a verify over B rows gives each row the logits a one-row step gives it
+and every mode stays lossless against ``ar``.
 
 Converted weights are cached under ``$D3D_CACHE/int4/`` (safetensors, keyed by GGUF, torch version and the CPU
 capability the packing was done for) so later loads skip the conversion.
@@ -35,6 +44,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from . import lowbit
 
 GROUP = 32  # weights per block in Q4_1 / Q8_0 and the kernel's group size here
 FORMAT = 1  # cache layout version
@@ -124,6 +135,11 @@ def effective_weight(c: Codes) -> torch.Tensor:
     return w
 
 
+def kernel_weight(c: Codes) -> torch.Tensor:
+    """The (N, K) fp64 weight the kernel that runs here multiplies by (:func:`kernel_status`)."""
+    return lowbit.packed_weight(c) if kernel_status().lowbit else effective_weight(c)
+
+
 def exact_weight(c: Codes) -> torch.Tensor:
     """The (N, K) fp64 weight the block format itself means (no bf16): the GGUF's dequantised values."""
     s, z = (t.double().repeat_interleave(GROUP, 1) for t in (c.scale, c.zero))
@@ -180,12 +196,16 @@ class Int4Linear:
     def tensors(self, prefix: str) -> dict:
         return {prefix + ".packed": self.packed, prefix + ".sz": self.sz}
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.sz))
+
 
 @dataclass
 class Int4Weights:
     """Every int4 linear of a target, in the fast engine's layout: per layer ``qkv`` (q|k|v rows, q and k with
     their rotary halves interleaved as ``Target._prep_qkv`` does), ``o``, ``gate_up`` (gate|up rows), ``down``;
-    and ``head`` (None: the LM head stays fp32). ``info`` says what went int4 and what stayed as it was."""
+    and ``head`` (None: the LM head stays fp32), each an ``Int4Linear`` (torch's kernel) or a ``lowbit.LowbitLinear``
+    (``kernel``). ``info`` says what went int4, what stayed as it was, and which kernel runs."""
 
     layers: list
     head: Optional[Int4Linear]
@@ -193,15 +213,40 @@ class Int4Weights:
 
     def nbytes(self) -> int:
         lins = [lin for d in self.layers for lin in d.values()] + ([self.head] if self.head else [])
-        return sum(t.numel() * t.element_size() for lin in lins for t in (lin.packed, lin.sz))
+        return sum(lin.nbytes() for lin in lins)
+
+    @property
+    def kernel(self) -> str:
+        """"lowbit" or "torch": which GEMM these weights were packed for."""
+        lins = [lin for d in self.layers for lin in d.values()] + ([self.head] if self.head else [])
+        return "lowbit" if lins and isinstance(lins[0], lowbit.LowbitLinear) else "torch"
 
 
 LAYER_PARTS = ("qkv", "o", "gate_up", "down")
 
 
+def kernel_status() -> lowbit.KernelStatus:
+    """Which GEMM the int4 engine packs its weights for and runs: the low-bit kernel where it builds and passes its
+    self-test here (``lowbit.status``), else torch's int4 kernel."""
+    return lowbit.status()
+
+
+def usable() -> tuple:
+    """(usable, reason): can the int4 engine run here at all (either kernel)?"""
+    st = kernel_status()
+    if st.lowbit:
+        return True, st.kernel
+    ok, why = self_test()
+    return ok, (f"{why} ({st.reason})" if ok else f"{why}; and {st.reason}")
+
+
+def make_linear(c: Codes):
+    """The linear for these codes on the kernel that runs here."""
+    return lowbit.LowbitLinear.from_codes(c) if kernel_status().lowbit else Int4Linear.from_codes(c)
+
+
 def _from_codes(layers: list, head: Optional[Codes], info: dict) -> Int4Weights:
-    return Int4Weights([{k: Int4Linear.from_codes(c) for k, c in d.items()} for d in layers],
-                       Int4Linear.from_codes(head) if head is not None else None, info)
+    return Int4Weights([{k: make_linear(c) for k, c in d.items()} for d in layers], make_linear(head) if head is not None else None, info)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -294,8 +339,16 @@ def _check(target) -> Optional[str]:
 
 def _cache_file(src: GGUFSource) -> Path:
     st = src.gguf.stat()
-    tag = f"{src.gguf.stem}-{st.st_size}-torch{torch.__version__.split('+')[0]}-{torch.backends.cpu.get_cpu_capability()}-v{FORMAT}"
+    kernel = f"lowbit{lowbit.VERSION}" if kernel_status().lowbit else f"torch{torch.__version__.split('+')[0]}-{torch.backends.cpu.get_cpu_capability()}"
+    tag = f"{src.gguf.stem}-{st.st_size}-{kernel}-v{FORMAT}"
     return src.cache / f"{tag}.safetensors"
+
+
+def _cached_linear(t: dict, key: str, shape: list):
+    """A linear saved under ``key`` (``tensors(key)``), on whichever kernel it was packed for."""
+    if f"{key}.lowbit" in t:
+        return lowbit.LowbitLinear(t[f"{key}.lowbit"], *shape)
+    return Int4Linear(t[f"{key}.packed"], t[f"{key}.sz"], *shape)
 
 
 def load(target, source) -> Int4Weights:
@@ -317,9 +370,9 @@ def load(target, source) -> Int4Weights:
             meta = json.loads(f.read(n)).get("__metadata__", {})
         info = json.loads(meta.get("info", "{}"))
         shapes = json.loads(meta.get("shapes", "{}"))
-        layers = [{p: Int4Linear(t[f"{i}.{p}.packed"], t[f"{i}.{p}.sz"], *shapes[f"{i}.{p}"]) for p in LAYER_PARTS if f"{i}.{p}.packed" in t}
+        layers = [{p: _cached_linear(t, f"{i}.{p}", shapes[f"{i}.{p}"]) for p in LAYER_PARTS if f"{i}.{p}" in shapes}
                   for i in range(len(target.layers))]
-        head = Int4Linear(t["head.packed"], t["head.sz"], *shapes["head"]) if "head.packed" in t else None
+        head = _cached_linear(t, "head", shapes["head"]) if "head" in shapes else None
         info["cache"] = f"loaded {path}"
         return _described(Int4Weights(layers, head, info))
     layers, head, info = gguf_codes(source.gguf, target.arch)
@@ -360,12 +413,16 @@ def _described(w: Int4Weights) -> Int4Weights:
     n_int4 = sum(len(d) for d in w.layers)
     full = all(len(d) == len(LAYER_PARTS) for d in w.layers)
     head = "none" if w.head is None else ("two exact 4-bit planes of its Q8_0 blocks" if w.head.planes == 2 else "4-bit")
+    st = kernel_status()
+    low = w.kernel == "lowbit"
     w.info.update({
+        "kernel": st.kernel if low == st.lowbit else ("lowbit" if low else "torch int4 kernel"), "kernel_reason": st.reason,
         "int4_linears": n_int4, "all_layer_linears_int4": full, "lm_head": "int4 (" + head + ")" if w.head is not None else "fp32 (no Q4_1 / Q8_0 head tensor)",
         "int4_mb": round(w.nbytes() / 2**20, 1),
         "stays_fp32": "token embedding lookup (dequantised), RMSNorm weights, RoPE, attention, residual stream"
                       + ("" if full else "; layer linears listed in not_int4") + ("" if w.head is not None else "; LM head"),
-        "activations": "bf16 into each int4 GEMM (fp32 accumulation, bf16 out)",
+        "activations": ("8-bit per block of 32 into each GEMM (integer dots, fp32 accumulation and out)" if low
+                        else "bf16 into each int4 GEMM (fp32 accumulation, bf16 out)"),
     })
     return w
 

@@ -10,7 +10,8 @@ Two engines behind one interface (``Target.forward``), chosen per cache:
   machine (``Target.row_plan``: oneDNN padded to a faster width, or plain BLAS). Every mode, ``ar``
   included, runs through it.
 - **int4**: the fast forward with every decoder-layer linear and the LM head run from 4-bit weights taken from
-  the bundled GGUF's blocks through torch's int4 CPU kernel (``int4``; ``D3D_ENGINE=int4`` / ``engine="int4"``).
+  the bundled GGUF's blocks, through this project's row-invariant low-bit kernel (``lowbit``) where it builds, else
+  torch's int4 CPU kernel (``int4``; ``D3D_ENGINE=int4`` / ``engine="int4"``).
 - **eager**: the Hugging Face model with its ``DynamicCache`` (GPU, other architectures, or
   ``D3D_ENGINE=eager`` / ``engine="eager"`` for comparison).
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from . import fastops, int4
+from . import fastops, int4, lowbit
 from .fastops import LM_HEAD
 from .layers import ArchConfig, SharedParts
 
@@ -40,6 +41,7 @@ _ROW_PLAN_LOCK = threading.RLock()
 _NO_INT4: dict = {}  # a layer without int4 linears (the fp32 fast engine)
 ATTN_BUCKET = 64  # the int4 engine's attention key lengths: multiples of this (see Target._attention_groups)
 ATTN_BUCKET_ROWS = 64  # forwards over more rows (long prefills, identical in every mode) attend as the fp32 engine does
+LOWBIT_ATTN = "lowbit"  # the int4 engine on the low-bit kernel: every row attends alone (lowbit.attention), any row count
 
 
 @dataclass
@@ -182,7 +184,7 @@ class Target:
         """None when the int4 engine can run this target (weights loaded or loadable), else why not."""
         if self.int4_source is None:
             return "no 4-bit source for this target (the int4 engine reads the bundled GGUF's blocks)"
-        ok, why = int4.self_test()
+        ok, why = int4.usable()
         if not ok:
             return why
         return self._int4_error
@@ -206,7 +208,7 @@ class Target:
     def int4_info(self) -> dict:
         """What runs int4 and what stays as it was (for the bench and the app), or why int4 is off."""
         if self._int4 is not None:
-            return {"kernel": int4.self_test()[1], **self._int4.info}
+            return {"kernel": self._int4.info.get("kernel", int4.kernel_status().kernel), **self._int4.info}
         return {"off": self.int4_reason() or ("not requested" if not self.int4_wanted() else "not loaded yet")}
 
     def fast_reason(self) -> Optional[str]:
@@ -353,8 +355,10 @@ class Target:
         n, T = ids.shape[0], cache.length
         if T + n > self.max_positions:
             raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
-        groups = self._attention_groups(T, n) if w4 is not None and n <= ATTN_BUCKET_ROWS else None
-        cache.reserve(n if groups is None else groups[-1][2] - T)
+        groups = None
+        if w4 is not None and n <= ATTN_BUCKET_ROWS:
+            groups = LOWBIT_ATTN if w4.kernel == "lowbit" else self._attention_groups(T, n)
+        cache.reserve(groups[-1][2] - T if isinstance(groups, list) else n)
         eps, H = self.arch.rms_norm_eps, (self.arch.hidden_size,)
         x = self.shared.embed_tokens(ids.to(self.device))  # (n, H)
         rot = self._freqs[T : T + n, None]  # (n, 1, hd/2) complex
@@ -370,7 +374,7 @@ class Target:
             x = x + self._attention(fl, h, cache, i, T, rot, mask, plan, q4)
             h = F.rms_norm(x, H, fl.ln2, eps)
             lin = q4.get("gate_up")
-            if lin is not None:  # bf16 out; silu and the product in fp32 (bf16 * fp32 promotes), rounded to bf16 once by down
+            if lin is not None:  # fp32 out (lowbit) or bf16 (torch's kernel); silu and the product in fp32
                 gate, up = lin(h).chunk(2, dim=-1)
                 act = F.silu(gate.float(), inplace=True).mul_(up)
             else:
@@ -385,7 +389,7 @@ class Target:
         with record_function(LM_HEAD):
             h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
             if w4 is not None and w4.head is not None:
-                logits = w4.head(h)  # (n_logits, V) bf16
+                logits = w4.head(h)  # (n_logits, V) fp32 (lowbit) or bf16 (torch's kernel)
             else:
                 # the head stays on oneDNN (BLAS was no faster for it at 1 row and slower at more, on the Xeon)
                 logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan.onednn())  # (n_logits, V)
@@ -398,7 +402,7 @@ class Target:
         with keys past each row's own position masked. SDPA's result for a row depends on the key length it
         sees (not on how many rows share the call), and a row's bucket depends only on its position, so a
         verify over B rows gives every row the bits a one-row step at that position gives it. The int4 GEMMs
-        then round the same values to bf16, so no near-tie in the logits can resolve differently per mode."""
+        (each row computed alone) then see the same values, so no near-tie in the logits can resolve differently per mode."""
         out, a = [], 0
         pos = torch.arange(T, T + n)
         while a < n:
@@ -435,7 +439,9 @@ class Target:
         kc[0, :, T : T + n] = qk[:, nh:].transpose(0, 1)
         vc[0, :, T : T + n] = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd).transpose(0, 1)
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
-        if isinstance(mask, list):  # the int4 engine: rows grouped by their key bucket (see _attention_groups)
+        if mask is LOWBIT_ATTN:  # each row alone, keys 0..its position, the same bits at any row count
+            y = lowbit.attention(qk, nh, kc, vc, T)
+        elif isinstance(mask, list):  # the int4 engine on torch's kernel: rows grouped by their key bucket (see _attention_groups)
             ys = []
             for a, b, L, m in mask:
                 q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
