@@ -1,6 +1,6 @@
 """Server health for whoever hosts the app: uptime, races served, queue length, memory, threads,
 open files and the app's temporary files. ``snapshot()`` is what the ``/health`` API endpoint returns
-and what the page footer shows; the soak command (``python -m app.soak``) polls it.
+and what the page footer shows; the soak command (``python -m d3d_core.measure.soak``) polls it.
 
 Temporary files the app writes for visitors (trace downloads, race exports) live in one directory
 per process, ``temp_path()``; files older than ``limits.APP_TEMP_MAX_AGE_S`` are removed whenever a

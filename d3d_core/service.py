@@ -24,6 +24,7 @@ from .measure.clock import retime_all
 from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
 from .models import bundles as _bundles
+from .models import int4
 from .models.adapter import SHARED_ADAPTER_INFO
 from .models.bundles import BUNDLES, DEFAULT_BUNDLE, asset_json, extra_d3d_drafters, get_bundle, loadable_bundles
 from .models.drafter import DrafterConfig
@@ -129,8 +130,6 @@ def preload(name: str) -> Optional[str]:
 
 def int4_kernel() -> str:
     """Which GEMM the int4 engine runs here, in words (the low-bit kernel, or torch's with the reason it fell back)."""
-    from .models import int4
-
     st = int4.kernel_status()
     return st.kernel if st.lowbit else f"{st.kernel}: {st.reason}"
 

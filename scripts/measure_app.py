@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from app.soak import free_port  # noqa: E402
+from d3d_core.measure.soak import free_port  # noqa: E402
 
 
 def rss_kb(pid: int, field: str = "VmHWM") -> int:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from app.soak import free_port  # noqa: F401  (tests import it from here)
+from d3d_core.measure.soak import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ LAYERS = ["limits", "models", "decoding", "schemas", "measure", "training", "ser
 # the rooms of models/, in the order they may import each other (each only those before it): the target's kernels and
 # wrapper, the parts the drafters share, the drafter base, one file per drafter kind, where weights come from (the
 # target's sources, hub ids), the one drafter loader, and the bundles that put a target and its drafters together
-MODEL_ROOMS = ["hardware", "tokenizer", "fastops", "int4", "layers", "target", "drafter", "d3d", "dflash", "adapter", "standalone",
+MODEL_ROOMS = ["hardware", "tokenizer", "fastops", "lowbit", "int4", "layers", "target", "drafter", "d3d", "dflash", "adapter", "standalone",
                "sources", "loader", "bundles"]
 MAX_MODEL_FILE_LINES = 500
 MAX_LOOP_LINES = 60

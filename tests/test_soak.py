@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.soak import SoakConfig, run, soak_figure
+from d3d_core.measure.soak import SoakConfig, run, soak_figure
 
 
 @pytest.mark.slow
@@ -107,7 +107,7 @@ def _recorded():
 
 
 def _judge(samples, n_races, warmup=100):
-    from app.soak import SoakConfig, verdict
+    from d3d_core.measure.soak import SoakConfig, verdict
 
     cfg = SoakConfig(bundle="toy", warmup_races=warmup, temp_max_age_s=15)
     rows = [dict(r, t=i * 0.25, app_temp_files=0, queue=0) for i, r in enumerate(samples)]
@@ -187,7 +187,7 @@ def _census_rows(n_races=60, per_race=None, **extra):
 def test_threads_and_fds_are_judged_by_pool_and_kind_not_by_trend():
     """A pool that wanders within its maximum passes however it trends; a thread outside every pool, a pool above its
     maximum, native threads above theirs and an fd kind above its bound each fail, naming what and from which race."""
-    from app.soak import census_verdict, fd_bounds
+    from d3d_core.measure.soak import census_verdict, fd_bounds
 
     ok = census_verdict(_census_rows(), clients=5)
     assert ok["judged"] and not ok["threads_excess"] and not ok["fds_excess"], ok
@@ -214,7 +214,7 @@ def test_threads_and_fds_are_judged_by_pool_and_kind_not_by_trend():
 
 
 def test_the_verdict_names_an_unjudged_census_and_passes_only_what_was_judged():
-    from app.soak import passed
+    from d3d_core.measure.soak import passed
 
     samples, n = _recorded()
     v = _judge(samples[:2000], n)
@@ -251,7 +251,7 @@ def test_too_short_a_soak_is_not_passed():
 
 
 def test_sen_slope_and_its_interval():
-    from app.soak import sen_slope
+    from d3d_core.measure.soak import sen_slope
 
     xs = list(range(20))
     slope, lo, hi = sen_slope(xs, [2.0 * x + (1 if x % 2 else -1) for x in xs])
@@ -261,7 +261,7 @@ def test_sen_slope_and_its_interval():
 
 def test_a_failing_verdict_keeps_the_measured_soak_on_disk(tmp_path, monkeypatch):
     """A soak whose verdict raises still writes soak.json with every sample, names the failed step, and fails."""
-    from app import soak as soak_mod
+    from d3d_core.measure import soak as soak_mod
 
     samples, n = _recorded()
     rec = {"samples": [dict(r, t=i * 0.25, app_temp_files=0, queue=0) for i, r in enumerate(samples)],

@@ -34,7 +34,7 @@ from .dflash import ZLAB_SOURCE
 from .drafter import Drafter
 from .hardware import BundleUnavailable, gpu_available, require_memory
 from .loader import DrafterSpec, load_drafter
-from .sources import TargetSpec, cache_dir, load_target  # noqa: F401 (cache_dir: app/soak.py reads it here until it moves)
+from .sources import TargetSpec, load_target
 from .target import Target
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"  # d3d_core/models/bundles.py -> the repo root

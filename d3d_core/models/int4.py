@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from . import lowbit
+from .lowbit import Codes  # noqa: F401 (the codes are the kernel's input; int4.Codes is their name here too)
 
 GROUP = 32  # weights per block in Q4_1 / Q8_0 and the kernel's group size here
 FORMAT = 1  # cache layout version
@@ -63,25 +64,6 @@ def _kernel():
 
 
 # ----------------------------------------------------------------------------- the format mapping
-
-
-@dataclass
-class Codes:
-    """A weight in the kernel's form before packing: codes (N, K) uint8 in 0..15, scale and zero (N, K/32)
-    float32 (exact values; bf16 rounding happens at packing), so w[n, k] = (q - 8) * scale + zero."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    planes: int = 1  # 2: a Q8_0 weight as two 4-bit planes side by side along K ([hi | lo]); the input is [x | x]
-
-    def rows(self, idx: torch.Tensor) -> "Codes":
-        return Codes(self.q[idx], self.scale[idx], self.zero[idx], self.planes)
-
-    @staticmethod
-    def cat(parts: list) -> "Codes":
-        assert len({p.planes for p in parts}) == 1
-        return Codes(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts]), parts[0].planes)
 
 
 def q4_1_codes(raw: np.ndarray, k: int) -> Codes:

@@ -69,6 +69,25 @@ class KernelStatus:
         return {"kernel": self.kernel, "lowbit": self.lowbit, "reason": self.reason}
 
 
+@dataclass
+class Codes:
+    """A weight in the kernel's form before packing: codes (N, K) uint8 in 0..15, scale and zero (N, K/32)
+    float32 (exact values; bf16 rounding happens at packing), so w[n, k] = (q - 8) * scale + zero."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    planes: int = 1  # 2: a Q8_0 weight as two 4-bit planes side by side along K ([hi | lo]); the input is [x | x]
+
+    def rows(self, idx: torch.Tensor) -> "Codes":
+        return Codes(self.q[idx], self.scale[idx], self.zero[idx], self.planes)
+
+    @staticmethod
+    def cat(parts: list) -> "Codes":
+        assert len({p.planes for p in parts}) == 1
+        return Codes(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts]), parts[0].planes)
+
+
 def setting() -> str:
     """``D3D_LOWBIT``: "auto" (the default: this kernel where it builds and passes its self-test) or "off"."""
     v = os.environ.get("D3D_LOWBIT", "auto").strip().lower()
@@ -301,8 +320,6 @@ def reference(c, x: torch.Tensor) -> torch.Tensor:
 
 
 def _self_test(lib) -> tuple:
-    from .int4 import Codes
-
     g = torch.Generator().manual_seed(0)
     for n, k, planes in ((44, 96, 1), (24, 64, 2)):  # a partial tile; two planes over one input
         c = Codes(torch.randint(0, 16, (n, k * planes), generator=g, dtype=torch.uint8),

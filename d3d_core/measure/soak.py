@@ -1,8 +1,8 @@
 """Soak and overload test of the served app, driven like real visitors through ``gradio_client``.
 
-    python -m app.soak --races 500 --visitors 4                       # the real bundle, short generations
-    python -m app.soak --races 60 --visitors 4 --bundle toy           # what the test suite runs
-    python -m app.soak --races 0 --overload 40                        # only the overload phase
+    python -m d3d_core.measure.soak --races 500 --visitors 4                       # the real bundle, short generations
+    python -m d3d_core.measure.soak --races 60 --visitors 4 --bundle toy           # what the test suite runs
+    python -m d3d_core.measure.soak --races 0 --overload 40                        # only the overload phase
 
 Starts ``app.py`` on a free loopback port (or drives ``--url``), with its own temporary directory so
 every file the server writes is counted. N visitor threads, each its own session, run a mix of races
@@ -33,7 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..models.sources import cache_dir
+from .machine import machine_info
+from .rawfirst import Steps, write_json_atomic
+
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: app.py, served as a visitor meets it
 MODES = ("ar", "dflash", "d3d-seq", "d3d-async")
 WORDS = "the quick brown fox jumps over a lazy dog while seven bakers count muffins and cookies".split()
 DONE_CODES = {"PROCESSING", "ITERATING", "PROGRESS", "FINISHED", "CANCELLED"}
@@ -658,9 +662,6 @@ def run(cfg: SoakConfig, out: Path) -> dict:
     """Soak (and overload) the served app; writes ``soak.json`` and ``soak.html`` to ``out``. Every sample and race
     goes to ``soak.raw.jsonl`` as it happens and the measured record to ``soak.json`` before the verdict, so neither
     a killed run nor a failing verdict or plot loses what was measured (``failed_steps`` names what failed)."""
-    from d3d_core.measure.machine import machine_info
-    from d3d_core.measure.rawfirst import Steps, write_json_atomic
-
     out.mkdir(parents=True, exist_ok=True)
     steps = Steps(raw=out / "soak.unwritten.json")  # where the record goes if soak.json cannot be written
     raw = RawLog(out / "soak.raw.jsonl")
@@ -698,8 +699,6 @@ def run(cfg: SoakConfig, out: Path) -> dict:
 
 def rejudge(path: Path) -> int:
     """The verdict of a recorded soak, again (after the verdict changed, or for a run killed before its verdict)."""
-    from d3d_core.measure.rawfirst import Steps
-
     try:
         if path.suffix == ".jsonl":
             rec = RawLog.read(path)
@@ -734,7 +733,7 @@ def passed(doc: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m d3d_core.measure.soak", description=__doc__.split("\n\n")[0])
     for f, default in asdict(SoakConfig()).items():
         if isinstance(default, bool):
             ap.add_argument("--" + f.replace("_", "-"), action="store_true")
@@ -751,8 +750,6 @@ def main(argv=None) -> int:
     if cfg.visitors < 1 or cfg.races < 0 or cfg.overload < 0:
         print("error: --visitors must be ≥ 1, --races and --overload ≥ 0", file=sys.stderr)
         return 2
-    from d3d_core.models.bundles import cache_dir
-
     out = Path(args.out) if args.out else cache_dir() / "soak" / time.strftime("%Y%m%d-%H%M%S")
     doc = run(cfg, out)
     summary = {k: doc[k] for k in ("verdict",) if k in doc}
