@@ -221,7 +221,8 @@ def test_interleaved_race_is_lossless_on_the_real_bundle(smollm):
         for m in MODES:
             assert sum(1 for mm, _, done in items[:first_done] if mm == m) >= 2, (m, prompt)
         final = {m: tr for m, tr, done in items if done}
-        alone = engine.decode(smollm, prompt, base.with_(mode="ar"))
+        with service.on_engine(smollm, service.check_engine(None)):  # alone on the engine the race ran on (the app's default)
+            alone = engine.decode(smollm, prompt, base.with_(mode="ar"))
         assert final["ar"].output_ids == alone.output_ids, prompt
         for m in MODES[1:]:
             assert final[m].output_ids == alone.output_ids, (m, prompt, final[m].output_text, alone.output_text)
