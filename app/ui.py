@@ -48,7 +48,7 @@ EXAMPLES = [
     ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? "
      "Please reason step by step.", "math · τ ≈ 2.8"),
     ("Tom has 5 boxes with 12 pencils in each box. He gives away 17 pencils. How many pencils does he have left? "
-     "Please reason step by step.", "math · τ ≈ 2.7"),
+     "Please reason step by step.", "math · τ ≈ 2.6"),
     ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
      "Please reason step by step.", "math · τ ≈ 1.9"),
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),

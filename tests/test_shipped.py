@@ -84,8 +84,11 @@ def test_projection_starts_from_the_shipped_bench_rows_that_drafted_every_round(
 
 def test_example_prompt_labels_quote_the_shipped_drafter_tau(smollm):
     """The app's example prompts carry a τ label ("math · τ ≈ 2.6"): each must be what the shipped D3D drafter
-    gives on that prompt in d3d-seq (B = 8, 96 new tokens, drafting every round, temperature 0), within 0.1, run the
-    way the app runs it (int8 MLPs and head where the platform has the kernel)."""
+    gives on that prompt in d3d-seq (B = 8, 96 new tokens, drafting every round, temperature 0), run the way the app
+    runs it (int8 MLPs and head where the platform has the kernel), within 0.15: the labels must hold on every CPU
+    the suite meets, and the fp32 kernels differ per CPU (oneDNN / BLAS on AVX-512 or AVX2), which flips near-ties.
+    The second math prompt was labelled 2.7 from an AVX-512 Xeon and read 2.57 on an AVX2 EPYC (2026-12-07, the
+    same code as then); its label is now 2.6, and the others read within 0.09 of their labels on that EPYC."""
     import re
 
     from app.ui import EXAMPLES
@@ -96,7 +99,7 @@ def test_example_prompt_labels_quote_the_shipped_drafter_tau(smollm):
     for prompt, label in EXAMPLES:
         quoted = float(re.search(r"τ ≈ ([0-9.]+)", label).group(1))
         tau = decode(smollm, prompt, cfg).stats.tau
-        assert abs(tau - quoted) <= 0.1, (label, round(tau, 2))
+        assert abs(tau - quoted) <= 0.15, (label, round(tau, 2))
 
 
 def test_the_deep_drafter_text_quotes_its_bench():
