@@ -293,7 +293,9 @@ def fd_census() -> Optional[dict]:
         return None
     sock: dict = {}
     try:
-        for c in psutil.Process().net_connections(kind="all"):
+        proc = psutil.Process()
+        conns = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6 names it connections
+        for c in conns(kind="all"):
             if c.fd < 0:
                 continue
             if c.family == getattr(socket, "AF_UNIX", None):
