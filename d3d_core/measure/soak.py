@@ -481,7 +481,8 @@ def verdict(res: dict, cfg: SoakConfig) -> dict:
     out = {"races": n_races, "errors": len(res["errors"]), "warmup_races": warm_from}
     if base and end:
         tail = s[-5:]
-        trends = {k: trend(s, k, warm_from, n_races) for k in ("rss_mib", "threads", "fds", "heap_in_use_mib")}
+        # threads and fds are judged by pool and kind (census_verdict), not by a trend
+        trends = {k: trend(s, k, warm_from, n_races) for k in ("rss_mib", "heap_in_use_mib")}
         census = census_verdict(s, cfg.visitors + 1 + cfg.overload)
         out["census"] = census
         if not census["judged"]:
