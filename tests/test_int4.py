@@ -197,3 +197,61 @@ def test_real_bundle_int4_all_modes_equal_ar(smollm):
         info = t.int4_info()
         assert info["all_layer_linears_int4"] and info["int4_linears"] == 4 * t.num_layers and info["lm_head"].startswith("int4")
         assert_all_modes_equal_ar(smollm, prompts)
+
+
+@pytest.fixture
+def smollm_on_torch_kernel(smollm, monkeypatch):
+    """The real bundle's int4 engine on torch's kernel (the fallback where the low-bit kernel cannot build), restored
+    afterwards to whatever this host runs."""
+    from d3d_core.models import lowbit
+
+    t = smollm.target
+    saved = (t._int4, t._int4_error, getattr(t.shared.lm_head, "_d3d_int4", None))
+    monkeypatch.setenv("D3D_LOWBIT", "off")
+    lowbit.reset()
+    t._int4, t._int4_error = None, None
+    try:
+        with engine(t, "int4"):
+            assert t.int4_weights() is not None, t.int4_reason()
+            assert t.int4_info()["kernel"].startswith("torch"), t.int4_info()
+        yield smollm
+    finally:
+        monkeypatch.delenv("D3D_LOWBIT")
+        lowbit.reset()
+        t._int4, t._int4_error = saved[0], saved[1]
+        if saved[2] is not None:
+            t.shared.lm_head._d3d_int4 = saved[2]
+
+
+@pytest.mark.slow
+def test_real_bundle_torch_kernel_verify_rows_are_one_row_steps_bitwise(smollm_on_torch_kernel):
+    """The fallback is lossless by the same construction as the low-bit kernel: every verified row makes the very
+    SDPA call a one-row step makes. Found broken on an AVX2 EPYC (rows grouped by key bucket in one SDPA call differed
+    from lone rows by 1 ulp, and dflash / d3d-seq then left ar's tokens on a gsm8k prompt)."""
+    t = smollm_on_torch_kernel.target
+    seq = torch.randint(3, t.arch.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    with engine(t, "int4"):
+        a, b = t.new_cache(), t.new_cache()
+        assert a.int4.kernel == "torch"
+        t.prefill(a, seq[:55])
+        t.prefill(b, seq[:55])
+        pos = 55
+        for B in (16, 8, 1, 3, 16, 5, 12, 9, 16, 7, 13, 16, 16, 16, 16, 16):
+            blk = seq[pos : pos + B]
+            v = t.verify(a, blk).logits
+            s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
+            assert torch.equal(v, s), (pos, B)
+            keep = B // 2 + 1
+            t.rollback(a, B - keep)
+            t.rollback(b, B - keep)
+            pos += keep
+        assert pos > 2 * 64 + 8  # crossed two key-bucket edges
+
+
+@pytest.mark.slow
+def test_real_bundle_torch_kernel_all_modes_equal_ar(smollm_on_torch_kernel):
+    prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+               "How many clips did Natalia sell altogether in April and May?",
+               "What is 17 times 23? Think step by step."]
+    with engine(smollm_on_torch_kernel.target, "int4"):
+        assert_all_modes_equal_ar(smollm_on_torch_kernel, prompts)

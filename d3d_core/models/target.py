@@ -397,22 +397,23 @@ class Target:
         return TargetOutput(logits.float(), f)
 
     def _attention_groups(self, T: int, n: int) -> list:
-        """The int4 engine's attention plan for a forward of n rows at positions T..T+n-1: [(a, b, L, mask)] —
-        rows a..b-1 attend over the first L cached keys, L the position's bucket end (a multiple of ATTN_BUCKET),
-        with keys past each row's own position masked. SDPA's result for a row depends on the key length it
-        sees (not on how many rows share the call), and a row's bucket depends only on its position, so a
-        verify over B rows gives every row the bits a one-row step at that position gives it. The int4 GEMMs
-        (each row computed alone) then see the same values, so no near-tie in the logits can resolve differently per mode."""
-        out, a = [], 0
-        pos = torch.arange(T, T + n)
-        while a < n:
-            L = (T + a) // ATTN_BUCKET * ATTN_BUCKET + ATTN_BUCKET
-            b = min(n, L - T)
-            keys = torch.arange(L)
-            m = torch.zeros(b - a, L).masked_fill_(keys[None] > pos[a:b, None], float("-inf"))
-            g = self.arch.num_attention_heads // self.arch.num_key_value_heads
-            out.append((a, b, L, m.repeat(g, 1)))
-            a = b
+        """The int4 engine's attention plan on torch's kernel, for a forward of n rows at positions T..T+n-1:
+        [(a, a+1, L, mask)], one group per row — row a attends over the first L cached keys, L its position's bucket
+        end (a multiple of ATTN_BUCKET), keys past its own position masked. Each row is its own SDPA call, the very
+        call a one-row step at that position makes: torch's CPU SDPA gives a row a result 1 ulp away from the same
+        row inside a call of several rows (measured on an AVX2 EPYC, torch 2.13), and the int4 engine's bf16
+        rounding does not always hide it, so a verify over B rows must give every row the bits a one-row step
+        gives it by making the same call. The int4 GEMMs (each row computed alone) then see the same values."""
+        out = []
+        g = self.arch.num_attention_heads // self.arch.num_key_value_heads
+        keys = None
+        for a in range(n):
+            p = T + a
+            L = p // ATTN_BUCKET * ATTN_BUCKET + ATTN_BUCKET
+            if keys is None or keys.numel() != L:
+                keys = torch.arange(L)
+            m = torch.zeros(1, L).masked_fill_(keys[None] > p, float("-inf"))
+            out.append((a, a + 1, L, m.repeat(g, 1)))
         return out
 
     def _attention(self, fl: "_FastLayer", x, cache: StaticKV, i: int, T: int, rot, mask, plan: fastops.RowPlan, q4: dict = None):
@@ -441,7 +442,7 @@ class Target:
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
         if mask is LOWBIT_ATTN:  # each row alone, keys 0..its position, the same bits at any row count
             y = lowbit.attention(qk, nh, kc, vc, T)
-        elif isinstance(mask, list):  # the int4 engine on torch's kernel: rows grouped by their key bucket (see _attention_groups)
+        elif isinstance(mask, list):  # the int4 engine on torch's kernel: each row its own SDPA call (see _attention_groups)
             ys = []
             for a, b, L, m in mask:
                 q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
