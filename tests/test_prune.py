@@ -97,3 +97,46 @@ def test_held_out_intervals_can_be_added_to_an_older_curve(toy):
     assert [p["tau_eval_rel_ci"] for p in old["curve"]] == [p["tau_eval_rel_ci"] for p in c["curve"]]
     with pytest.raises(ValueError, match="not the curve's held-out set"):
         add_held_out_ci(old, d, calib, B=4, stride=2)
+
+
+def _toy_seqs(toy):
+    seqs = greedy_continuations(toy, ["what is two plus two?", "tell me a story", "hello", "count to ten"], 40)
+    return seqs[:2], seqs[2:]
+
+
+def test_prefix_reuse_gives_offline_taus_bits_on_a_deep_adapter_drafter(toy):
+    """The search's fast path (layers below a removed one reused) is offline τ itself, bit for bit, on an adapter
+    drafter over all of the target's layers (d3d-deep's kind) with trained-looking (non-zero) adapters."""
+    import torch
+
+    from d3d_core.models.adapter import shared_adapter_drafter
+    from d3d_core.training.prune import PrefixTau
+
+    t = toy.target
+    d = shared_adapter_drafter(t.shared, t.arch, rank=4, block_size=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in d.own_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    calib, _ = _toy_seqs(toy)
+    f = PrefixTau(d, calib, B=4, stride=2)
+    L = d.cfg.num_layers
+    assert f.settle([]) == offline_tau(d, calib, B=4, stride=2)
+    for c in range(L):
+        assert f.tau_without(c) == offline_tau(d.pruned([c]), calib, B=4, stride=2), c
+    f.settle([1])
+    for c in (0, L - 1):
+        assert f.tau_without(c) == offline_tau(d.pruned([1, c]), calib, B=4, stride=2), c
+
+
+def test_a_resumed_search_is_the_uninterrupted_one_and_the_shortlist_is_recorded(toy):
+    d = toy.drafter("d3d")
+    calib, evals = _toy_seqs(toy)
+    whole = progressive_prune(d, calib, evals, B=4, stride=2, shortlist=2)
+    saved = []
+    part = progressive_prune(d, calib, evals, B=4, stride=2, shortlist=2, max_removed=1, save_state=saved.append)
+    assert len(part["curve"]) == 2 and len(saved) == 1
+    resumed = progressive_prune(d, calib, evals, B=4, stride=2, shortlist=2, state=saved[-1])
+    assert resumed["order"] == whole["order"] and resumed["curve"] == whole["curve"]
+    assert "shortlist" in whole["search"] and all(p["measured"] <= 2 for p in whole["curve"][2:])
+    assert whole["curve"][1]["measured"] == d.cfg.num_layers  # step 1 measures every layer

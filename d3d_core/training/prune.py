@@ -24,8 +24,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from ..measure.rawfirst import Steps, raw_path, write_json_atomic
+from ..models import fastops
 from ..models.bundles import ASSETS, get_bundle
+from ..models.d3d import D3DDrafter
 from ..models.loader import load_drafter
 from ..models.sources import cache_dir
 from ..schemas import checked
@@ -34,12 +38,92 @@ from .offline_tau import CALIB_PROMPTS, CalibSeq, greedy_continuations, held_out
 from .train import TrainConfig, split_holdout, train
 
 
+class PrefixTau:
+    """Offline τ of a D3D drafter under many skip sets, computed as ``offline_tau`` computes it (the same packed
+    forward, the same bits: tested) but reusing what two skip sets share. Dropping layer ``c`` from skip set ``S``
+    changes nothing below ``c``, so with the input of every layer under ``S`` kept (``settle``), the candidate
+    ``S ∪ {c}`` runs only the active layers above ``c``. A greedy pruning step over 30 candidates then costs about
+    half of 30 full passes. Inputs (embeddings, positions, masks) are built once per sequence."""
+
+    def __init__(self, drafter, seqs: list, B: int = 8, stride: int = 4):
+        from .offline_tau import anchors_for
+
+        self.d, self.B = drafter, B
+        self.items = []  # per usable sequence: (x (1, N, H), cos, sin, mask, rows, truth (n, B-1))
+        with torch.no_grad(), fastops.exact_drafters():
+            for s in seqs:
+                anchors = anchors_for(s, B, stride)
+                if not anchors:
+                    continue
+                ids = s.ids
+                ctx = torch.tensor(ids, dtype=torch.long, device=drafter.device)
+                blocks = [(ids[p], p) for p in anchors]
+                x, pos, mask, need = drafter._inputs(0, ctx, blocks, B + 1)
+                cos, sin = drafter.shared.rope(pos, x, need)
+                rows = None
+                if drafter.frozen_base:  # as forward_packed: adapters act on every block row but its anchor
+                    m = torch.zeros(len(blocks), B + 1, 1, dtype=x.dtype, device=x.device)
+                    m[:, 1:] = 1
+                    rows = torch.cat([x.new_zeros(len(ids), 1), m.reshape(-1, 1)])[None]
+                truth = torch.tensor([[ids[p + k] for k in range(1, B)] for p in anchors])
+                self.items.append((x, cos, sin, mask, rows, truth, len(ids), len(blocks)))
+        if not self.items:
+            raise ValueError("calibration set has no usable anchors (responses shorter than the block)")
+        self.skip: tuple = ()
+        self.inputs: list = []  # per item: {layer: its input under self.skip}
+
+    def _run(self, item, x, layers):
+        _, cos, sin, mask, rows, _, _, _ = item
+        empty = self.d.new_cache()
+        for i in layers:
+            x, _ = self.d.layers[i](x, cos, sin, empty.get(i), mask, rows)
+        return x
+
+    def _tau_of_output(self, item, x) -> torch.Tensor:
+        truth, C, nb = item[5], item[6], item[7]
+        hb = x[0][C:].view(nb, self.B + 1, x.shape[-1])
+        pred = self.d.logits(self.d.draft_rows(hb)[:, : self.B - 1]).float().argmax(-1).cpu()
+        lead = (pred == truth).int().cumprod(dim=1).sum(dim=1)
+        return (lead + 1).float()  # per anchor; averaged over all anchors as offline_tau averages them
+
+    def settle(self, skip) -> float:
+        """Make ``skip`` the base: keep every layer's input under it; returns its τ."""
+        self.skip = tuple(sorted(set(skip)))
+        active = [i for i in range(self.d.cfg.num_layers) if i not in self.skip]
+        self.inputs, taus = [], []
+        with torch.no_grad(), fastops.exact_drafters():
+            for item in self.items:
+                x, kept = item[0], {}
+                for i in active:
+                    kept[i] = x
+                    x = self._run(item, x, [i])
+                self.inputs.append(kept)
+                taus.append(self._tau_of_output(item, x))
+        return float(torch.cat(taus).mean())
+
+    def tau_without(self, c: int) -> float:
+        """τ of the base skip set plus layer ``c`` (an active layer of the base)."""
+        if c in self.skip or not self.inputs:
+            raise ValueError(f"layer {c} is not an active layer of the settled skip set {list(self.skip)}")
+        above = [i for i in range(c + 1, self.d.cfg.num_layers) if i not in self.skip]
+        with torch.no_grad(), fastops.exact_drafters():
+            taus = [self._tau_of_output(item, self._run(item, kept[c], above)) for item, kept in zip(self.items, self.inputs)]
+        return float(torch.cat(taus).mean())
+
+
 def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B: int = 8, stride: int = 4,
-                      target=None, min_layers: int = 1, progress=None) -> dict:
-    """Greedy least-harm removal. Returns the curve dict (see module doc)."""
+                      target=None, min_layers: int = 1, progress=None, max_removed: Optional[int] = None,
+                      shortlist: int = 0, state: Optional[dict] = None, save_state=None) -> dict:
+    """Greedy least-harm removal. Returns the curve dict (see module doc).
+
+    ``max_removed``: stop after that many removals. ``shortlist`` > 0: after the first step (which measures every
+    layer), measure only the ``shortlist`` layers that cost least in the previous step — an approximation of the
+    full greedy search, recorded in the curve's ``search``. ``state`` / ``save_state``: resume a search (the dict
+    ``save_state`` was last called with, after each removal); the resumed curve is the one an uninterrupted run makes."""
     L = drafter.cfg.num_layers
     base_skip = set(drafter.cfg.skip_layers)
     layers = [i for i in range(L) if i not in base_skip]
+    fast = PrefixTau(drafter, calib, B=B, stride=stride) if isinstance(drafter, D3DDrafter) else None
 
     def tau_of(skip, seqs, per_seq=False):
         return offline_tau(drafter.pruned(sorted(base_skip | set(skip))), seqs, B=B, stride=stride, target=target,
@@ -48,29 +132,79 @@ def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B:
     def held_out(skip):  # (τ, per-sequence sums) on the held-out prompts
         return tau_of(skip, eval_seqs, per_seq=True) if eval_seqs else (None, None)
 
-    full = tau_of([], calib)
-    full_eval, full_per = held_out([])
-    marginal = {}
-    removed: list = []
-    curve = [_point(0, layers, full, full, full_eval, full_eval, full_per, full_per)]
-    while len(layers) - len(removed) > min_layers:
-        best = None
-        for cand in layers:
-            if cand in removed:
-                continue
-            t = tau_of(removed + [cand], calib)
+    st = state or {}
+    if st:
+        full, full_eval, full_per = st["full"], st["full_eval"], st["full_per"]
+        marginal, removed, curve, last = st["marginal"], list(st["order"]), st["curve"], st.get("last_costs", {})
+    else:
+        full = fast.settle(base_skip) if fast else tau_of([], calib)
+        full_eval, full_per = held_out([])
+        marginal, removed, last = {}, [], {}
+        curve = [_point(0, layers, full, full, full_eval, full_eval, full_per, full_per)]
+    stop_at = len(layers) - min_layers if max_removed is None else min(max_removed, len(layers) - min_layers)
+    while len(removed) < stop_at:
+        if fast:
+            fast.settle(base_skip | set(removed))
+        cands = [c for c in layers if c not in removed]
+        if shortlist and removed and last:
+            cands = sorted(cands, key=lambda c: last.get(str(c), float("inf")))[:shortlist]
+        costs, best = {}, None
+        for cand in cands:
+            t = fast.tau_without(cand) if fast else tau_of(removed + [cand], calib)
+            costs[str(cand)] = curve[-1]["tau"] - t
             if not removed:
                 marginal[str(cand)] = full - t
             if best is None or t > best[1]:
                 best = (cand, t)
             if progress:
                 progress()
+        last = {**last, **costs}
         removed.append(best[0])
         kept = [i for i in layers if i not in removed]
         te, per = held_out(removed)
         curve.append(_point(len(removed), kept, best[1], full, te, full_eval, per, full_per))
+        curve[-1]["measured"] = len(cands)
+        if save_state:
+            save_state({"full": full, "full_eval": full_eval, "full_per": full_per, "marginal": marginal,
+                        "order": removed, "curve": curve, "last_costs": last})
+    search = "greedy: every remaining layer measured at every step"
+    if shortlist:
+        search = (f"greedy with a shortlist: step 1 measures every layer, each later step the {shortlist} layers that "
+                  "cost least in the step before")
     return {"layers": L, "block_size": B, "order": removed, "curve": curve, "marginal_cost": marginal,
-            "calib_seqs": len(calib), "eval_seqs": len(eval_seqs or []), **({"ci": CI_NOTE} if eval_seqs else {})}
+            "calib_seqs": len(calib), "eval_seqs": len(eval_seqs or []), "search": search,
+            **({"ci": CI_NOTE} if eval_seqs else {})}
+
+
+def draft_ms_by_layers(drafter, kept_lists: list, B: int = 8, context: int = 256, new_tokens: int = 3, reps: int = 9) -> dict:
+    """What one draft costs with each kept-layer list: a D3D draft pass as a d3d-seq round runs it (``new_tokens``
+    accepted tokens into a cache of ``context`` committed ones, plus one block of ``B``, then the head over its
+    drafts), median wall ms over ``reps``, the points interleaved so that a machine's drift hits them alike."""
+    import os
+
+    g = torch.Generator().manual_seed(0)
+    V = drafter.cfg.arch.vocab_size
+    ids = torch.randint(3, V, (context + new_tokens,), generator=g)
+    ds = [drafter.pruned(sorted(set(range(drafter.cfg.num_layers)) - set(k))) for k in kept_lists]
+    caches = []
+    with torch.inference_mode():
+        for d in ds:
+            c = d.new_cache()
+            _, _, kv = d.forward_packed(c, ids[:context], [], B)
+            d.commit_kv(c, kv, context)
+            caches.append(c)
+        times = [[] for _ in ds]
+        for r in range(reps + 1):
+            for j, (d, c) in enumerate(zip(ds, caches)):
+                t = time.perf_counter()
+                _, hb, _ = d.forward_packed(c, ids[context:], [(int(ids[-1]), new_tokens)], B)
+                d.logits(d.draft_rows(hb)[:, : B - 1])
+                if r:
+                    times[j].append((time.perf_counter() - t) * 1e3)
+    med = [sorted(t)[len(t) // 2] for t in times]
+    return {"ms": [round(m, 2) for m in med], "what": f"one draft pass: {new_tokens} new context tokens + a block of {B} "
+            f"over {context} cached, and the head; median of {reps}", "threads": torch.get_num_threads(),
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 # how the held-out intervals are made (stored with a curve that has them)
@@ -191,7 +325,15 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m d3d_core.training.prune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="smollm2-135m")
-    ap.add_argument("--drafter", default=None, help="D3D drafter directory (default: the bundle's)")
+    ap.add_argument("--drafter", default=None,
+                    help="a shipped D3D drafter's name (d3d, d3d-deep) or a drafter directory (default: the bundle's d3d)")
+    ap.add_argument("--calib-set", default=None,
+                    help="calibration sequences from a JSON like assets/calibration/<bundle>.json (default: held-out distill data)")
+    ap.add_argument("--max-removed", type=int, default=None, help="stop after removing this many layers")
+    ap.add_argument("--shortlist", type=int, default=0,
+                    help="after step 1, measure only the K layers that cost least in the step before (0: every layer)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--fresh", action="store_true", help="ignore a saved search and start again")
     ap.add_argument("--data", default=None, help="distill directory for calibration (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--calib", type=int, default=16, help="calibration sequences")
     ap.add_argument("--eval", type=int, default=16, help="held-out sequences (never used to choose layers)")
@@ -221,13 +363,30 @@ def main(argv=None) -> int:
         return 2
     from tqdm import tqdm
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bundle = get_bundle(args.bundle)
-    drafter = bundle.drafter("d3d")
-    if args.drafter:
-        drafter = load_drafter(args.drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
-    ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
-    held = split_holdout(ex, args.max_len)[1]  # never trained on
-    if args.data_dir and len(held) >= args.calib:
+    name = args.drafter or "d3d"
+    if name in bundle.d3d_names():
+        drafter = bundle.drafter(name)
+    else:
+        try:
+            drafter = load_drafter(args.drafter, bundle.target.shared, bundle.target.arch, bundle.device, bundle.target.dtype)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            print(f"error: --drafter {args.drafter!r} is neither one of this bundle's D3D drafters "
+                  f"({', '.join(bundle.d3d_names())}) nor a drafter directory ({e})", file=sys.stderr)
+            return 2
+        name = Path(args.drafter).name
+    try:
+        ex = read_examples(Path(args.data) if args.data else distill_dir(args.bundle))
+    except (FileNotFoundError, OSError, ValueError):
+        ex = []  # no distill data here: --calib-set or the built-in prompts
+    held = split_holdout(ex, args.max_len)[1] if ex else []  # never trained on
+    if args.calib_set:
+        sets = json.loads(Path(args.calib_set).read_text())["seqs"]
+        calib = [CalibSeq(s["prompt_ids"], s["response_ids"]) for s in sets][: args.calib]
+        evals = held_out_set(bundle, args.data_dir, args.eval, args.eval_tokens)[0] if args.data_dir else held[: args.eval]
+    elif args.data_dir and len(held) >= args.calib:
         calib, evals = held[: args.calib], held_out_set(bundle, args.data_dir, args.eval, args.eval_tokens)[0]
     elif len(held) >= args.calib + args.eval:
         calib, evals = held[: args.calib], held[args.calib : args.calib + args.eval]
@@ -236,7 +395,7 @@ def main(argv=None) -> int:
         calib, evals = seqs[:2], seqs[2:]
     L = drafter.cfg.num_layers
     t0 = time.time()
-    out = Path(args.out) if args.out else ASSETS / "pruning" / f"{args.bundle}.json"
+    out = Path(args.out) if args.out else ASSETS / "pruning" / (f"{args.bundle}.json" if name == "d3d" else f"{args.bundle}-{name}.json")
     steps = Steps(raw=raw_path(out))
     if args.calib_out:  # samples: written before anything is measured on them
         write_json_atomic(args.calib_out, {"bundle": args.bundle, "seqs": [
@@ -250,12 +409,37 @@ def main(argv=None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
     else:
-        bar = tqdm(total=L * (L - 1) // 2 + L - 1, desc="prune", file=sys.stderr)
-        curve = progressive_prune(drafter, calib, evals, B=args.block_size, stride=args.stride, target=bundle.target, progress=bar.update)
+        # the search is saved after every removal and resumed by the same command (a session may end mid-search)
+        key = {"bundle": args.bundle, "drafter": name, "calib": [len(s.ids) for s in calib], "eval": [len(s.ids) for s in evals],
+               "block_size": args.block_size, "stride": args.stride, "shortlist": args.shortlist}
+        run_dir = cache_dir() / "runs" / f"prune-{args.bundle}-{name}"
+        saved = run_dir / "search.json"
+        state = None
+        if saved.is_file() and not args.fresh:
+            st = json.loads(saved.read_text())
+            if st.get("key") == key:
+                state = st["state"]
+                t0 -= st.get("wall_time_s", 0.0)
+                print(f"resuming the search saved in {saved}: {len(state['order'])} layers removed so far", file=sys.stderr)
+            else:
+                print(f"a saved search in {saved} measured other settings: starting again", file=sys.stderr)
+
+        def save_state(s):
+            write_json_atomic(saved, {"key": key, "state": s, "wall_time_s": time.time() - t0}, indent=None)
+
+        n_max = L - 1 if args.max_removed is None else args.max_removed
+        total = sum(L - k if (not args.shortlist or k == 0) else min(args.shortlist, L - k) for k in range(n_max))
+        bar = tqdm(total=total, desc="prune", file=sys.stderr)
+        curve = progressive_prune(drafter, calib, evals, B=args.block_size, stride=args.stride, target=bundle.target,
+                                  progress=bar.update, max_removed=args.max_removed, shortlist=args.shortlist,
+                                  state=state, save_state=save_state)
         bar.close()
         curve["bundle"] = args.bundle
+        curve["drafter_name"] = name
         curve["drafter"] = drafter.cfg.training or "untrained"
         curve["wall_time_s"] = time.time() - t0
+        curve["threads"] = torch.get_num_threads()
+        curve["draft_ms"] = draft_ms_by_layers(drafter, [p["kept"] for p in curve["curve"]], B=args.block_size)
     steps.save_raw(curve)  # raw results first (rawfirst): the measured curve, before any summary or schema check
     if not args.curve:
         curve["best_99"] = steps.run("best_99", best_within, curve)
