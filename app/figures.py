@@ -499,7 +499,7 @@ def _held_out_label(pts: list) -> str:
 
 
 def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, layer_ms: Optional[float] = None) -> go.Figure:
-    """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau) marks the
+    """τ vs layers removed (greedy progressive pruning); `live` = (removed, tau[, legend name]) marks the
     user's current toggle choice; ``layer_ms``: what one drafter layer costs per draft on this machine (the cost
     breakdown), drawn as the draft time saved (right axis). The subtitle says whether the curve has healed points."""
     if not curve or not curve.get("curve"):
@@ -544,7 +544,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
     t0 = pts[0]["tau"]
     fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of full τ (calibration)")
     if live is not None:
-        fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name="your selection",
+        fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name=live[2] if len(live) > 2 else "your selection",
                                  marker=dict(size=14, symbol="star", color="black", line=dict(color="white", width=1))))
     if layer_ms:
         xs = [p["removed"] for p in pts]

@@ -64,7 +64,7 @@ STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 def empty_state() -> dict:
     """A session's state: plain data only (strings, lists, dicts, Traces), so it pickles. ``run`` is the id of the
     race in flight (``app.runs`` holds its cancel flag), None between races."""
-    return {"bundle": service.app_bundle(), "traces": {}, "pieces": {}, "skip": [], "run": None, "clock": service.MEASURED_CLOCK}
+    return {"bundle": service.app_bundle(), "traces": {}, "pieces": {}, "skips": {}, "run": None, "clock": service.MEASURED_CLOCK}
 
 
 def _traces(state) -> list:
@@ -238,8 +238,10 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     try:
         yield (f"Loading bundle `{bundle}` (first use converts the weights once; later loads take seconds)…",
                *_columns(state), state)
-        skip = list(state.get("skip") or []) if use_pruned else None  # None: the bundle's default drafter
         d3d_drafter = d3d_drafter or "d3d"
+        # the layers chosen for this drafter in the Pruning tab; None: the drafter as shipped
+        skips = state.get("skips") or {}
+        skip = list(skips.get(d3d_drafter) or []) if use_pruned and d3d_drafter in skips else None
         try:
             info = service.bundle_summary(bundle)  # loads the bundle: once per process, outside any GPU window
             service.check_race_drafter(bundle, d3d_drafter, skip)
@@ -405,54 +407,79 @@ def step_round(mode, idx, delta, state):
     return (gr.update(value=idx), *_rounds_view(state, mode, idx))
 
 
-def layer_choices(bundle):
-    info = service.bundle_summary(service.check_bundle(bundle))
-    return [f"L{i} (from target layer {src})" for i, src in enumerate(info["d3d_init_layers"])]
+def layer_choices(bundle, drafter="d3d"):
+    return service.pruning_layers(service.check_bundle(bundle), drafter or "d3d")
 
 
-def load_pruning(bundle, state):
+def pruning_drafters(bundle) -> list:
+    """The Pruning tab's drafter picker: (label, name) for each of the bundle's D3D drafters."""
+    return [(lab, n) for n, lab in service.d3d_drafters(bundle).items()]
+
+
+def _economics_note(bundle, drafter, skip, tau, full, per_layer) -> str:
+    """What removing these layers does to a round on this machine: the draft ms saved, and the τ at which a
+    d3d-seq round breaks even with ar at the pruned draft's cost (shipped cost breakdown / curve timings)."""
+    curve = service.pruning_curve(bundle, drafter) or {}
+    ms = (curve.get("draft_ms") or {}).get("ms") or []
+    if not per_layer or not skip:
+        return ""
+    saved = len(skip) * per_layer
+    text = f" · saves about **{saved:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine)"
+    if ms:
+        full_ms = ms[0]
+        text += f", {saved / full_ms:.0%} of the full draft's {full_ms:.0f} ms"
+    return text
+
+
+def load_pruning(bundle, state, drafter="d3d"):
     state = dict(state or empty_state())
+    drafter = drafter or "d3d"
     try:
-        choices = layer_choices(bundle)
+        choices = layer_choices(bundle, drafter)
+        default_skip = service.default_skip(bundle, drafter)
     except (ValueError, FileNotFoundError, OSError) as e:
         return gr.skip(), f"**Error:** {e}", gr.skip(), gr.skip(), state
-    curve = service.pruning_curve(bundle)
-    default_skip = service.bundle_summary(bundle)["d3d_default_skip"]
-    state["skip"] = list(default_skip)
-    per_layer = service.drafter_layer_ms(bundle)
-    hint = "Toggle layers off, then the offline τ is re-measured."
+    curve = service.pruning_curve(bundle, drafter)
+    skips = dict(state.get("skips") or {})
+    skips[drafter] = list(default_skip)
+    state["skips"] = skips
+    per_layer = service.drafter_layer_ms(bundle, drafter)
+    hint = f"Toggle layers off, then the offline τ is re-measured ({len(choices)} layers)."
     if per_layer:
-        hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on this machine (cost breakdown; the orange "
+        hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on this machine (the orange "
                  "dashed line, right axis).")
-    if curve and not any("healed" in p for p in curve.get("curve") or []):
-        hint += " This bundle's curve was made without healing (`prune --heal`), so it has no healed points."
+    if curve is None:
+        hint += f" No pruning curve is shipped for `{drafter}` yet (`python -m d3d_core.training.prune --drafter {drafter}`)."
+    elif not any("healed" in p for p in curve.get("curve") or []):
+        hint += " This curve was made without healing (`prune --heal`), so it has no healed points."
     if default_skip:
-        hint += (f" The bundle's default D3D drafter is already pruned: layer(s) {default_skip} are skipped "
+        hint += (f" This drafter is shipped pruned: layer(s) {default_skip} are skipped "
                  "(the greedy pruning kept ≥ 99 % of τ on held-out prompts without them).")
     return (gr.update(choices=choices, value=[c for i, c in enumerate(choices) if i not in default_skip]), hint,
             figures.pruning_curve_figure(curve, layer_ms=per_layer), figures.marginal_cost_figure(curve), state)
 
 
-def _pruned_tau(bundle, skip) -> tuple:
+def _pruned_tau(bundle, skip, drafter="d3d") -> tuple:
     """(offline τ with ``skip``, τ with every layer, calibration anchors): the GPU part of the Pruning tab (it runs the
     drafter, and on a bundle without a shipped calibration set the target too)."""
-    tau, full = service.offline_tau_live(bundle, skip)
-    return tau, full, service.calibration_size(bundle)
+    tau, full = service.offline_tau_live(bundle, skip, drafter)
+    return tau, full, service.calibration_size(bundle, drafter)
 
 
 pruned_tau = maybe_gpu(_pruned_tau, duration=PRUNING_SECONDS)
 
 
-def measure_pruned(bundle, active, state):
+def measure_pruned(bundle, active, state, drafter="d3d"):
     state = dict(state or empty_state())
+    drafter = drafter or "d3d"
     try:
-        choices = layer_choices(bundle)
+        choices = layer_choices(bundle, drafter)
         keep = {int(str(a).split(" ")[0][1:]) for a in (active or [])}
         skip = [i for i in range(len(choices)) if i not in keep]
         if len(skip) == len(choices):
             raise ValueError("keep at least one drafter layer")
         t0 = time.perf_counter()
-        tau, full, n_anchors = pruned_tau(bundle, skip)
+        tau, full, n_anchors = pruned_tau(bundle, skip, drafter)
     except Exception as e:  # noqa: BLE001 - a failed GPU call (ZeroGPU's gr.Error / RuntimeError): said, not a traceback
         if isinstance(e, (ValueError, FileNotFoundError, OSError)) and not isinstance(e, gr.Error):
             gr.Warning(str(e))
@@ -462,15 +489,27 @@ def measure_pruned(bundle, active, state):
         status = gpu_error_status(e, 0).split(" · ")[0]
         gr.Warning(status.replace("**", ""))
         return status, gr.skip(), state
-    state["skip"] = skip
-    curve = service.pruning_curve(bundle)
-    per_layer = service.drafter_layer_ms(bundle)
-    saved = (f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine, "
-             "from the cost breakdown)") if per_layer and skip else ""
+    state["skips"] = {**(state.get("skips") or {}), drafter: skip}
+    curve = service.pruning_curve(bundle, drafter)
+    per_layer = service.drafter_layer_ms(bundle, drafter)
+    keep99 = "✓ within the 99 % line" if tau >= 0.99 * full else "below the 99 % line"
     msg = (f"**offline τ = {tau:.3f}** with {len(skip)} of {len(choices)} layers removed "
-           f"({tau / full:.1%} of the full drafter's {full:.3f}){saved} · measured in {time.perf_counter() - t0:.1f} s "
-           f"on {n_anchors} calibration anchors. Tick *race the D3D drafter with the layers chosen in the Pruning tab* in the Race tab to race it.")
-    return msg, figures.pruning_curve_figure(curve, live=(len(skip), tau), layer_ms=per_layer), state
+           f"({tau / full:.1%} of the full drafter's {full:.3f}, {keep99})"
+           f"{_economics_note(bundle, drafter, skip, tau, full, per_layer)} · measured in {time.perf_counter() - t0:.1f} s "
+           f"on {n_anchors} calibration anchors. To race it: in the Race tab pick the `{drafter}` D3D drafter and tick "
+           "*race the D3D drafter with the layers chosen in the Pruning tab*.")
+    on_axis = tau / full * _curve_full(curve, full)
+    same_set = abs(on_axis - tau) < 1e-9
+    live = (len(skip), on_axis, "your selection" if same_set else
+            f"your selection: {tau / full:.1%} of full τ on the live set, drawn at that share of the curve's τ")
+    return msg, figures.pruning_curve_figure(curve, live=live, layer_ms=per_layer), state
+
+
+def _curve_full(curve, live_full: float) -> float:
+    """The curve's unpruned τ (its first point), so a live point measured on the live calibration set is drawn at the
+    same relative height on the curve's axis; the live set's own τ when no curve is shipped."""
+    pts = (curve or {}).get("curve") or []
+    return pts[0]["tau"] if pts else live_full
 
 
 def engines_views(bundle) -> tuple:
@@ -700,8 +739,12 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown(explain.WHICH_TAU, elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
-                            "on a small calibration set; the curve shows the precomputed greedy progression.")
-                p_layers = gr.CheckboxGroup([], label="Active D3D drafter layers")
+                            "on a small calibration set; the curve shows the precomputed greedy progression, and the dotted line "
+                            "the 99 % of the full drafter's τ that the paper keeps while removing 5 of a 36-layer drafter's layers.")
+                p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
+                                     info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
+                                          "+ trained rank-64 adapters on the MASK slots — the paper's deep-drafter setting in small.")
+                p_layers = gr.CheckboxGroup([], label="Active D3D drafter layers", elem_id="prune-layers")
                 p_msg = gr.Markdown()
                 with gr.Row():
                     p_curve = gr.Plot(figures.pruning_curve_figure(None), label="Pruning curve")
@@ -813,9 +856,10 @@ def build_demo() -> gr.Blocks:
         prev_btn.click(lambda m, i, s: step_round(m, i, -1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
         next_btn.click(lambda m, i, s: step_round(m, i, +1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
         p_evt = dict(concurrency_limit=decode_concurrency(), concurrency_id="decode")
-        p_load.click(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name="pruning_curve")
-        p_layers.input(measure_pruned, [bundle, p_layers, state], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
-        bundle.change(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        p_load.click(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name="pruning_curve")
+        p_drafter.change(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        p_layers.input(measure_pruned, [bundle, p_layers, state, p_drafter], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
+        bundle.change(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
         export_btn.click(export_race, [state], [export_file], api_name="export_html").then(
             lambda: gr.update(visible=True), None, [export_file], api_name=False, queue=False)
@@ -823,7 +867,7 @@ def build_demo() -> gr.Blocks:
         up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, state, r_idx],
                        api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False).then(
                        _caption, [state], [tl_cap], api_name=False)
-        demo.load(load_pruning, [bundle, state], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        demo.load(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
         pj_inputs = [pj_profile, pj_B, pj_tau, pj_hit, pj_H, pj_v, pj_d, pj_p]
         for comp in pj_inputs:
             comp.change(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False, queue=False)

@@ -27,6 +27,9 @@ APP_ENGINES = ("fp32", "int4")
 # int4: speculation is judged against the fastest ar this app has (a faster baseline is the fairer one; on the quiet
 # Xeon int4 ar is 2.15x fp32 ar and 0.76x llama.cpp, stop 27, docs/ENGINE.md); fp32 shows the same rounds against a slower target
 APP_ENGINE_DEFAULT = "int4"
+# the Pruning tab's live τ: a drafter of at most this many layers is measured on every calibration sequence, a deeper
+# one (d3d-deep, 30) on as many as keep layers × sequences the same, so each toggle answers in about the same time
+LIVE_TAU_LAYERS = 8
 APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
 APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
 # oneDNN's and ideep's kernel caches keep one compiled kernel per input shape, up to 1024 each by

@@ -19,7 +19,7 @@ from .decoding.plan import plan_of
 from .decoding.schedule import interleave, token_share
 from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_json, traces_to_json
 from .decoding.warm import warm_rows, warm_shapes
-from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS
+from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS, LIVE_TAU_LAYERS
 from .measure.clock import retime_all
 from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
 from .measure.machine import LoadWatch
@@ -179,13 +179,19 @@ _WARM_LOCK = threading.Lock()
 
 
 def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=None) -> None:
-    """ValueError unless the bundle (loaded here if it is not yet) has that D3D drafter and, with skip_layers, it is
-    the default one — asked before a race starts, so nothing is refused inside a GPU window."""
-    names = _bundle(bundle_name).d3d_names()
+    """ValueError unless the bundle (loaded here if it is not yet) has that D3D drafter and ``skip_layers`` (when
+    given) are layers of it, leaving at least one — asked before a race starts, so nothing is refused inside a GPU window."""
+    b = _bundle(bundle_name)
+    names = b.d3d_names()
     if d3d_drafter not in names:
         raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
-    if skip_layers is not None and d3d_drafter != "d3d":
-        raise ValueError("the Pruning tab prunes the default D3D drafter: race it, or untick the pruned-drafter box")
+    if skip_layers is not None:
+        n = b.drafter(d3d_drafter).cfg.num_layers
+        bad = [s for s in skip_layers if not isinstance(s, int) or not 0 <= s < n]
+        if bad:
+            raise ValueError(f"the {d3d_drafter} drafter has layers 0..{n - 1}; cannot skip {bad[:4]}")
+        if len(set(skip_layers)) >= n:
+            raise ValueError(f"keep at least one of the {d3d_drafter} drafter's layers")
 
 
 def default_engine() -> str:
@@ -365,9 +371,12 @@ def _asset_json(*parts, schema: Optional[str] = None) -> Optional[dict]:
     return checked(schema, d) if schema and d is not None else d
 
 
-def pruning_curve(bundle_name: str) -> Optional[dict]:
-    """The precomputed progressive-pruning curve (python -m d3d_core.training.prune), if shipped."""
-    return _asset_json("pruning", f"{bundle_name}.json", schema="pruning curve")
+def pruning_curve(bundle_name: str, drafter: str = "d3d") -> Optional[dict]:
+    """The precomputed progressive-pruning curve of one of the bundle's D3D drafters (``python -m
+    d3d_core.training.prune [--drafter NAME]``), if shipped: ``assets/pruning/<bundle>.json`` for the default,
+    ``<bundle>-<name>.json`` for another (d3d-deep)."""
+    return _asset_json("pruning", f"{bundle_name}.json" if drafter == "d3d" else f"{bundle_name}-{drafter}.json",
+                       schema="pruning curve")
 
 
 def block_sweep(bundle_name: str) -> Optional[dict]:
@@ -532,24 +541,46 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
-def offline_tau_live(bundle_name: str, skip_layers) -> tuple:
-    """(offline τ with these D3D layers skipped, τ with every layer) on the bundle's small
-    calibration set; seconds on a CPU. Raises ValueError for bad layer indices."""
-
+def live_calibration(bundle_name: str, drafter: str = "d3d") -> list:
+    """The calibration sequences the Pruning tab's live τ measures ``drafter`` on: all of the bundle's for a drafter
+    of at most ``limits.LIVE_TAU_LAYERS`` layers, else the first ones, as many as keep the work (layers × sequences)
+    that of such a drafter on all of them (d3d-deep, 30 layers: 3 of 12), so a toggle answers in about the same time."""
     b = _bundle(bundle_name)
-    d = b.drafter("d3d")
     seqs = calibration_set(b)
+    n = b.drafter(drafter).cfg.num_layers
+    if n <= LIVE_TAU_LAYERS:
+        return seqs
+    return seqs[: max(2, round(len(seqs) * LIVE_TAU_LAYERS / n))]
+
+
+def offline_tau_live(bundle_name: str, skip_layers, drafter: str = "d3d") -> tuple:
+    """(offline τ with these layers of ``drafter`` skipped, τ with every layer) on its live calibration set
+    (``live_calibration``); seconds on a CPU. Raises ValueError for bad layer indices."""
+    b = _bundle(bundle_name)
+    d = b.drafter(drafter)
+    seqs = live_calibration(bundle_name, drafter)
     with _TAU_LOCK:
-        if bundle_name not in _FULL_TAU:
-            _FULL_TAU[bundle_name] = offline_tau(d.pruned([]), seqs, B=LIVE_TAU_BLOCK, stride=2)
-    full = _FULL_TAU[bundle_name]
+        if (bundle_name, drafter) not in _FULL_TAU:
+            _FULL_TAU[(bundle_name, drafter)] = offline_tau(d.pruned([]), seqs, B=LIVE_TAU_BLOCK, stride=2)
+    full = _FULL_TAU[(bundle_name, drafter)]
     tau = offline_tau(d.pruned(skip_layers), seqs, B=LIVE_TAU_BLOCK, stride=2) if skip_layers else full
     return tau, full
 
 
-def drafter_layer_ms(bundle_name: str) -> Optional[float]:
-    """What one D3D drafter layer costs per draft on this machine (ms, all threads), from the shipped
-    cost breakdown: the draft's wall time less its LM head, over the layers it ran; None if not shipped."""
+def drafter_layer_ms(bundle_name: str, drafter: str = "d3d") -> Optional[float]:
+    """What one layer of a D3D drafter costs per draft on this machine (ms). The default drafter: from the shipped
+    cost breakdown (the draft's wall time less its LM head, over the layers it ran, all threads). Another
+    (d3d-deep): from its shipped pruning curve's draft timings (ms saved per layer removed, least squares over the
+    curve's points). None if neither is shipped."""
+    if drafter != "d3d":
+        c = pruning_curve(bundle_name, drafter) or {}
+        ms, pts = (c.get("draft_ms") or {}).get("ms") or [], c.get("curve") or []
+        if len(ms) < 2 or len(ms) != len(pts):
+            return None
+        xs = [p["removed"] for p in pts]
+        mx, my = sum(xs) / len(xs), sum(ms) / len(ms)
+        den = sum((x - mx) ** 2 for x in xs)
+        return max(0.0, -sum((x - mx) * (y - my) for x, y in zip(xs, ms)) / den) if den else None
     c = cost_breakdown(bundle_name)
     if not c or not c.get("rows"):
         return None
@@ -561,11 +592,26 @@ def drafter_layer_ms(bundle_name: str) -> Optional[float]:
     return (r["wall_ms"] - r["parts"]["lm_head"]["ms"]) / n
 
 
-def calibration_size(bundle_name: str) -> int:
-    return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in calibration_set(_bundle(bundle_name)))
+def calibration_size(bundle_name: str, drafter: str = "d3d") -> int:
+    return sum(len(anchors_for(s, LIVE_TAU_BLOCK, 2)) for s in live_calibration(bundle_name, drafter))
 
 
-__all__ = ["offline_tau_live", "calibration_size", "bench_result", "cost_profiles", "gpu_profile_note", "project",
+def pruning_layers(bundle_name: str, drafter: str = "d3d") -> list:
+    """The Pruning tab's toggles for one D3D drafter: one label per layer, naming the target layer it came from
+    (the 8-layer drafter was initialised from some) or shares (d3d-deep's are the target's own)."""
+    cfg = _bundle(bundle_name).drafter(drafter).cfg
+    src = list(cfg.init_layers) or [None] * cfg.num_layers
+    if cfg.adapter_rank:
+        return [f"L{i} (target layer {s}, shared)" for i, s in enumerate(src)]
+    return [f"L{i} (from target layer {s})" if s is not None else f"L{i}" for i, s in enumerate(src)]
+
+
+def default_skip(bundle_name: str, drafter: str = "d3d") -> list:
+    """The layers a shipped drafter already skips (a shipped pruned default)."""
+    return list(_bundle(bundle_name).drafter(drafter).cfg.skip_layers)
+
+
+__all__ = ["offline_tau_live", "calibration_size", "live_calibration", "pruning_layers", "default_skip", "drafter_layer_ms", "bench_result", "cost_profiles", "gpu_profile_note", "project",
     "APP_LIMITS", "DEFAULT_BUNDLE", "MODES", "Trace", "TraceError", "settings", "check_modes", "check_prompt",
     "bundle_names", "app_bundle", "check_bundle", "preload", "default_engine", "check_engine", "resolve_engine", "engine_runs",
     "check_race_drafter", "bundle_summary", "race", "pieces", "load_at_startup_only", "warms_shapes", "traces_json", "read_traces", "pruning_curve", "block_sweep",

@@ -133,8 +133,24 @@ def test_a_further_d3d_drafter_loads_on_first_use_and_races_lossless(toy, tmp_pa
         assert done["ar"].drafter == ""
         with pytest.raises(ValueError, match="no D3D drafter 'd3d-nope'; it has: d3d, d3d-deep"):
             list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, d3d_drafter="d3d-nope"))
-        with pytest.raises(ValueError, match="prunes the default D3D drafter"):
-            list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, skip_layers=[0], d3d_drafter="d3d-deep"))
+        # the deep drafter pruned (the Pruning tab's choice for it): still ar's tokens, its layers skipped
+        pruned = {m: tr for m, tr, fin in service.race("toy", PROMPTS[2], ["ar", "d3d-seq", "d3d-async"], base,
+                                                       skip_layers=[0], d3d_drafter="d3d-deep") if fin}
+        for m in ("d3d-seq", "d3d-async"):
+            assert pruned[m].output_ids == pruned["ar"].output_ids, m
+            assert f"layer [0] of {toy.target.num_layers} skipped" in pruned[m].drafter, pruned[m].drafter
+        n = toy.target.num_layers
+        with pytest.raises(ValueError, match=f"has layers 0..{n - 1}; cannot skip \\[{n}\\]"):
+            list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, skip_layers=[n], d3d_drafter="d3d-deep"))
+        with pytest.raises(ValueError, match="keep at least one"):
+            list(service.race("toy", PROMPTS[2], ["d3d-seq"], base, skip_layers=list(range(n)), d3d_drafter="d3d-deep"))
+        # the Pruning tab on the deep drafter: one toggle per target layer, live τ on its live set
+        from app import ui
+
+        choices = ui.layer_choices("toy", "d3d-deep")
+        assert len(choices) == n and choices[0] == "L0 (target layer 0, shared)"
+        msg, _, state = ui.measure_pruned("toy", choices[1:], ui.empty_state(), "d3d-deep")
+        assert f"1 of {n} layers removed" in msg and state["skips"] == {"d3d-deep": [0]}, msg
     finally:
         toy.extra.pop("d3d-deep", None)
         toy.drafters.pop("d3d-deep", None)

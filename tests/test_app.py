@@ -163,3 +163,19 @@ def test_clock_export_and_upload_of_the_export(client):
     assert page.startswith("<!DOCTYPE html>") and "d3d-traces" in page
     msg = client.predict(handle_file(path), api_name="/upload_trace")[0]
     assert msg.startswith("**Loaded** 4 trace(s)"), msg
+
+
+@pytest.mark.slow
+def test_pruning_tab_offers_the_deep_drafters_thirty_layers(smollm):
+    """The Pruning tab on the real bundle's d3d-deep: 30 toggles (the target's own layers, shared), its shipped curve,
+    a live τ for a choice, and the choice kept for the Race under that drafter's name (the 8-layer one's untouched)."""
+    from app import ui
+
+    state = ui.empty_state()
+    upd, hint, fig, _, state = ui.load_pruning("smollm2-135m", state, "d3d-deep")
+    assert len(upd["choices"]) == 30 and upd["choices"][29] == "L29 (target layer 29, shared)" and len(upd["value"]) == 30
+    assert "30 layers" in hint and "No pruning curve" not in hint, hint  # its curve is shipped
+    assert any(tr.name == "greedy pruning" for tr in fig.data)
+    msg, fig, state = ui.measure_pruned("smollm2-135m", upd["choices"][:-1], state, "d3d-deep")
+    assert "1 of 30 layers removed" in msg and state["skips"]["d3d-deep"] == [29], msg
+    assert "d3d" not in state["skips"] or state["skips"]["d3d"] == []
