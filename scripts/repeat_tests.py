@@ -47,8 +47,10 @@ def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     passed = failed = skipped = 0
     failures: list[str] = []
+    times: list[tuple] = []
     for case in root.iter("testcase"):
         tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        times.append((float(case.get("time") or 0.0), tid))
         if case.find("failure") is not None or case.find("error") is not None:
             failed += 1
             failures.append(tid)
@@ -56,7 +58,8 @@ def junit_counts(path: Path) -> dict:
             skipped += 1
         else:
             passed += 1
-    return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures}
+    slowest = [[tid, round(t, 1)] for t, tid in sorted(times, reverse=True)[:8]]
+    return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures, "slowest": slowest}
 
 
 def run_once(group: str, args: list[str], index: int, runs: int) -> dict:
