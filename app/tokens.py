@@ -98,10 +98,11 @@ def _fmt(v, fmt="{:.2f}") -> str:
 
 
 def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Optional[float] = None,
-                ar_time_per_token: Optional[float] = None, running: bool = False, econ=None) -> str:
+                ar_time_per_token: Optional[float] = None, running: bool = False, econ=None, busy: bool = False) -> str:
     """HTML of one race column. ``t_ms``: show the state at that time of the run (replay);
     ``ar_time_per_token``: seconds per token of the ar run, for the speedup counter;
-    ``econ``: the run's ``Economics`` (shown under the counters once it has finished)."""
+    ``econ``: the run's ``Economics`` (shown under the counters once it has finished); ``busy``: the race ran on a busy
+    machine (``reading.race_load``), so the finished speedup is greyed and struck through, not read."""
     if trace is None:
         return CSS + f'<div class="d3d-col"><div class="d3d-head">{html.escape(mode)}</div><i>waiting…</i></div>'
     mode = trace.mode
@@ -166,7 +167,10 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     stats = (
         f"<span>tokens/s <b>{_fmt(tps, '{:.1f}')}</b></span><span>τ <b>{_fmt(tau)}</b></span>"
         f"<span>rounds <b>{rounds_done}</b></span><span>target fwd <b>{fwd}</b></span>"
-        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span><span>speedup <b>{html.escape(speed_txt)}</b></span>"
+        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span>"
+        + (f"<span style='color:#999' title='the machine was busy during this race: the ratio is not a reading'>speedup "
+           f"<s>{html.escape(speed_txt)}</s> (busy)</span>" if busy and final and trace.mode != "ar" else
+           f"<span>speedup <b>{html.escape(speed_txt)}</b></span>")
     )
     foot = ""
     if final:

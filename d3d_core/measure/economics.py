@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..decoding.trace import Trace, busy_intervals, hit_rate_of, intersect_length
 from ..limits import RACE_MIN_TIMED_ROUNDS
-from .reading import implausible, speedup_label, speedup_spread, verify_width_ms
+from .reading import implausible, ratio_spread, speedup_label, speedup_spread, step_spans, verify_spans, verify_width_ms
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class Economics:
     timed_rounds: int = 0  # the fewer of this mode's and ar's rounds
     flags: tuple = ()  # readings the cost model says are impossible (``reading.implausible``): timing noise
     verify_k: Optional[int] = None  # the most common verify width (tokens the target read; the verify plan may cut it below B)
+    # verify(verify_k) spans / ar's step spans in this race: (ratio, 10–90 % lo, hi) — like with like (forward with
+    # forward), the quantity the implausibility rule judges; None without ar or without a verify of 2 or more
+    verify_vs_step: Optional[tuple] = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,6 +107,9 @@ class Economics:
         if self.ar_forward_ms:  # ar's own step split the same way, so "verify 0.97" reads against ar's forward, not its whole step
             fwd = min(round(self.ar_forward_ms / self.t_step_ms, 2), 1.0)
             own = f"; ar's own step = forward {fwd:.2f} + other {1.0 - fwd:.2f}"
+        if self.verify_vs_step and self.verify_k:  # like with like: one verify forward against one ar forward
+            r, lo, hi = self.verify_vs_step
+            own += f"; one verify({self.verify_k}) = {r:.2f} ar forwards (10–90 % {lo:.2f}–{hi:.2f})"
         cost = (f"a round costs {total:.2f} ar steps of {self.t_step_ms:.0f} ms (verify {v:.2f}{width} + draft not hidden {d:.2f} "
                 f"+ other {o:.2f}{own})")
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
@@ -156,7 +162,12 @@ def _against(trace: Trace, yard: Optional[dict], ar: Optional[Trace] = None) -> 
         sp = speedup_spread(trace, ar) if ar is not None else None
         if sp is not None:
             e.update(speedup_lo=sp.lo, speedup_hi=sp.hi, too_short=sp.too_short, timed_rounds=min(sp.rounds, sp.ar_rounds))
-        e["flags"] = tuple(implausible(trace, e["t_step_ms"], e["round_ms"], ar_forward_ms=e["ar_forward_ms"]))
+        e["flags"] = tuple(implausible(trace, ar)) if ar is not None else ()
+        if ar is not None and trace.mode != "ar":
+            v = verify_spans(trace)
+            r = ratio_spread(v[1], step_spans(ar)) if v is not None else None
+            if r is not None:
+                e["verify_vs_step"] = tuple(round(x, 3) for x in r)
     return Economics(**e)
 
 

@@ -27,7 +27,6 @@ from ..limits import RACE_MIN_TIMED_ROUNDS, RACE_SPREAD_RESAMPLES
 from .machine import busy_verdict
 
 SPREAD_PERCENTILES = (10.0, 90.0)
-IMPLAUSIBLE_BELOW = 0.95  # a verify (k >= 2) or a round under this many ar steps is flagged (5 % for rounding and jitter)
 
 
 def speedup_label(speedup, lo, hi, too_short: bool, rounds: int) -> str:
@@ -118,8 +117,8 @@ def race_spreads(traces: list) -> dict:
     return out
 
 
-def verify_width_ms(trace: Trace) -> Optional[tuple]:
-    """(k, mean ms) of the trace's verify spans at its most common verify width k ≥ 2 (tokens the target read,
+def verify_spans(trace: Trace) -> Optional[tuple]:
+    """(k, [ms of each verify span]) at the trace's most common verify width k ≥ 2 (tokens the target read,
     ``len(target_ids)``), or None when it never verified more than one token."""
     width = {r.index: len(r.target_ids) for r in trace.rounds}
     by_k: dict = {}
@@ -129,25 +128,57 @@ def verify_width_ms(trace: Trace) -> Optional[tuple]:
     if not by_k:
         return None
     k = max(by_k, key=lambda k: (len(by_k[k]), k))
-    return k, sum(by_k[k]) / len(by_k[k])
+    return k, by_k[k]
 
 
-def implausible(trace: Trace, t_step_ms: Optional[float], round_ms: float, ar_forward_ms: Optional[float] = None) -> list:
-    """Readings the cost model says cannot happen on a CPU, as sentences: a verify of k ≥ 2 tokens is at least one
-    step (it reads the same weights and more tokens), and a round holds at least one verify, so neither can be cheaper
-    than one ar step (less ``IMPLAUSIBLE_BELOW``'s 5 % for jitter). Like is compared with like: the verify span with
-    ar's step span (``ar_forward_ms``, the forward alone; ``t_step_ms`` when not given), the round with ``t_step_ms``
-    (ar's whole round, what it paid per token). When the race reads them so, the timing was noise (the machine's speed
-    changed between ar and this mode); they are flagged, not explained."""
-    if trace.mode == "ar" or not t_step_ms:
+def verify_width_ms(trace: Trace) -> Optional[tuple]:
+    """(k, mean ms) of the trace's verify spans at its most common verify width k ≥ 2, or None (``verify_spans``)."""
+    v = verify_spans(trace)
+    return None if v is None else (v[0], sum(v[1]) / len(v[1]))
+
+
+def step_spans(ar: Trace) -> list:
+    """ms of each of ar's decode steps (its verify spans: the forward alone)."""
+    return [s.duration for s in ar.spans if s.kind == "verify" and s.lane == "target" and s.round >= 0]
+
+
+def ratio_spread(num: list, den: list, resamples: int = RACE_SPREAD_RESAMPLES, seed: int = 0) -> Optional[tuple]:
+    """(point, lo, hi): mean(num) / mean(den) and its 10–90 % bootstrap spread (both samples resampled, a fixed
+    seed); None with fewer than 2 samples on either side (no spread to judge by)."""
+    if len(num) < 2 or len(den) < 2:
+        return None
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if a.mean() <= 0 or b.mean() <= 0:
+        return None
+    rng = np.random.default_rng(seed)
+    r = a[rng.integers(0, len(a), size=(resamples, len(a)))].mean(1) / b[rng.integers(0, len(b), size=(resamples, len(b)))].mean(1)
+    lo, hi = np.percentile(r, SPREAD_PERCENTILES)
+    return float(a.mean() / b.mean()), float(lo), float(hi)
+
+
+def implausible(trace: Trace, ar: Optional[Trace]) -> list:
+    """Readings the cost model says cannot happen, as sentences — **one rule for every mode**: a physical lower
+    bound, judged against the race's own noise. A verify of k ≥ 2 tokens costs at least one ar step (it reads the
+    same weights and more tokens), and a round holds at least one verify, so neither can cost less than one of ar's.
+    Each is a ratio of means over this race's own spans (verify(k) spans / ar's step spans; this mode's rounds /
+    ar's rounds, ``round_times``), bootstrapped like the speedup's spread; it is flagged only when even the top of
+    its 10–90 % spread is below 1 — noise within the race's measured spread is not "implausible". When flagged,
+    the timing was noise beyond that spread (the machine's speed changed between ar and this mode)."""
+    if trace.mode == "ar" or ar is None:
         return []
-    fwd = ar_forward_ms or t_step_ms
     out = []
-    vw = verify_width_ms(trace)
-    if vw is not None and vw[1] < IMPLAUSIBLE_BELOW * fwd:
-        out.append(f"verify({vw[0]}) read cheaper than one ar step ({vw[1]:.0f} vs {fwd:.0f} ms)")
-    if round_ms < IMPLAUSIBLE_BELOW * t_step_ms:
-        out.append(f"a round (which holds a verify) read cheaper than one ar step ({round_ms:.0f} vs {t_step_ms:.0f} ms)")
+    v, steps = verify_spans(trace), step_spans(ar)
+    if v is not None:
+        r = ratio_spread(v[1], steps)
+        if r is not None and r[2] < 1.0:
+            out.append(f"verify({v[0]}) read cheaper than one ar step ({sum(v[1]) / len(v[1]):.0f} vs "
+                       f"{sum(steps) / len(steps):.0f} ms: {r[0]:.2f}×, 10–90 % {r[1]:.2f}–{r[2]:.2f}, all below 1)")
+    ms, _ = round_times(trace)
+    ar_ms, _ = round_times(ar)
+    r = ratio_spread(ms, ar_ms)
+    if r is not None and r[2] < 1.0:
+        out.append(f"a round (which holds a verify) read cheaper than one ar round ({sum(ms) / len(ms):.0f} vs "
+                   f"{sum(ar_ms) / len(ar_ms):.0f} ms: {r[0]:.2f}×, 10–90 % {r[1]:.2f}–{r[2]:.2f}, all below 1)")
     return out
 
 

@@ -176,15 +176,18 @@ def progressive_prune(drafter, calib: list, eval_seqs: Optional[list] = None, B:
             **({"ci": CI_NOTE} if eval_seqs else {})}
 
 
-def draft_ms_by_layers(drafter, kept_lists: list, B: int = 8, context: int = 256, new_tokens: int = 3, reps: int = 9) -> dict:
+def draft_ms_by_layers(drafter, kept_lists: list, B: int = 8, context: int = 256, new_tokens: int = 3, reps: int = 9,
+                       target=None) -> dict:
     """What one draft costs with each kept-layer list: a D3D draft pass as a d3d-seq round runs it (``new_tokens``
     accepted tokens into a cache of ``context`` committed ones, plus one block of ``B``, then the head over its
-    drafts), median wall ms over ``reps``, the points interleaved so that a machine's drift hits them alike."""
+    drafts), median wall ms over ``reps``, the points interleaved so that a machine's drift hits them alike. With
+    ``target``: also one target step and one verify of ``B`` rows at the same context on the target's engine, timed
+    in the same loop, so the round's economics (break-even τ) come from one machine and one run."""
     import os
 
     g = torch.Generator().manual_seed(0)
     V = drafter.cfg.arch.vocab_size
-    ids = torch.randint(3, V, (context + new_tokens,), generator=g)
+    ids = torch.randint(3, V, (context + B,), generator=g)
     ds = [drafter.pruned(sorted(set(range(drafter.cfg.num_layers)) - set(k))) for k in kept_lists]
     caches = []
     with torch.inference_mode():
@@ -193,18 +196,36 @@ def draft_ms_by_layers(drafter, kept_lists: list, B: int = 8, context: int = 256
             _, _, kv = d.forward_packed(c, ids[:context], [], B)
             d.commit_kv(c, kv, context)
             caches.append(c)
+        tc = None
+        if target is not None:
+            tc = target.new_cache()
+            target.prefill(tc, ids[:context])
         times = [[] for _ in ds]
+        step, verify = [], []
         for r in range(reps + 1):
             for j, (d, c) in enumerate(zip(ds, caches)):
                 t = time.perf_counter()
-                _, hb, _ = d.forward_packed(c, ids[context:], [(int(ids[-1]), new_tokens)], B)
+                _, hb, _ = d.forward_packed(c, ids[context : context + new_tokens], [(int(ids[context + new_tokens]), new_tokens)], B)
                 d.logits(d.draft_rows(hb)[:, : B - 1])
                 if r:
                     times[j].append((time.perf_counter() - t) * 1e3)
-    med = [sorted(t)[len(t) // 2] for t in times]
-    return {"ms": [round(m, 2) for m in med], "what": f"one draft pass: {new_tokens} new context tokens + a block of {B} "
-            f"over {context} cached, and the head; median of {reps}", "threads": torch.get_num_threads(),
-            "load_average": round(os.getloadavg()[0], 2)}
+            if tc is not None:
+                for n, out in ((1, step), (B, verify)):
+                    t = time.perf_counter()
+                    target.verify(tc, ids[context : context + n])
+                    if r:
+                        out.append((time.perf_counter() - t) * 1e3)
+                    target.rollback(tc, n)
+
+    def med(t):
+        return round(sorted(t)[len(t) // 2], 2)
+
+    out = {"ms": [med(t) for t in times], "what": f"one draft pass: {new_tokens} new context tokens + a block of {B} "
+           f"over {context} cached, and the head; median of {reps}", "threads": torch.get_num_threads(),
+           "load_average": round(os.getloadavg()[0], 2)}
+    if tc is not None:
+        out.update(step_ms=med(step), verify_ms=med(verify), verify_rows=B, engine=target.engine)
+    return out
 
 
 # how the held-out intervals are made (stored with a curve that has them)
@@ -334,6 +355,8 @@ def main(argv=None) -> int:
                     help="after step 1, measure only the K layers that cost least in the step before (0: every layer)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--fresh", action="store_true", help="ignore a saved search and start again")
+    ap.add_argument("--retime", action="store_true",
+                    help="with --curve: time the draft at every point again (and a target step and verify), on a quiet machine")
     ap.add_argument("--data", default=None, help="distill directory for calibration (default $D3D_CACHE/distill/<bundle>)")
     ap.add_argument("--calib", type=int, default=16, help="calibration sequences")
     ap.add_argument("--eval", type=int, default=16, help="held-out sequences (never used to choose layers)")
@@ -439,7 +462,8 @@ def main(argv=None) -> int:
         curve["drafter"] = drafter.cfg.training or "untrained"
         curve["wall_time_s"] = time.time() - t0
         curve["threads"] = torch.get_num_threads()
-        curve["draft_ms"] = draft_ms_by_layers(drafter, [p["kept"] for p in curve["curve"]], B=args.block_size)
+    if not args.curve or args.retime:
+        curve["draft_ms"] = draft_ms_by_layers(drafter, [p["kept"] for p in curve["curve"]], B=args.block_size, target=bundle.target)
     steps.save_raw(curve)  # raw results first (rawfirst): the measured curve, before any summary or schema check
     if not args.curve:
         curve["best_99"] = steps.run("best_99", best_within, curve)
