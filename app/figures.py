@@ -395,8 +395,13 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 zr.append(STATE_SKIPPED)
                 tr_.append("no draft")
                 est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
+                if r.gate_threshold is not None:  # the threshold this round was judged by, as recorded
+                    bar = (f"below the {r.gate_threshold:.2f} tokens per step a round without a draft earns here"
+                           + (" (ar's 1, raised because d3d-async's undrafted rounds use every core)" if r.gate_threshold > 1.0 + 1e-9 else ""))
+                else:  # a trace recorded before the threshold was
+                    bar = "below what a round without a draft earns (1; more in d3d-async, whose undrafted rounds use every core)"
                 hr.append(f"round {r.index} · no draft: the draft gate skipped it — drafting had lately earned {est} tokens per "
-                          "step of cost, below what a plain target step earns (1; more in d3d-async, whose skipped rounds use every core)")
+                          f"step of cost, {bar}")
             elif j - 1 < len(r.draft_ids):
                 d = r.draft_ids[j - 1]
                 if j <= r.accepted:

@@ -89,7 +89,18 @@ def test_rounds_grid_marks_rounds_the_draft_gate_skipped(pieces):
     for i in skipped:
         assert list(hm.z[i][:2]) == [figures.STATE_ANCHOR, figures.STATE_SKIPPED] and hm.text[i][1] == "no draft"
         assert "draft gate" in hm.hovertext[i][1] and f"{tr.rounds[i].gate_rate:.2f}" in hm.hovertext[i][1]
+        # the bar it fell below is the threshold recorded with the round, never a number it exceeds
+        r = tr.rounds[i]
+        assert r.gate_threshold is not None and r.gate_rate < r.gate_threshold
+        assert f"below the {r.gate_threshold:.2f} tokens per step a round without a draft earns here" in hm.hovertext[i][1]
     assert all(row[1] != figures.STATE_SKIPPED for i, row in enumerate(hm.z) if i not in skipped)
+    # d3d-async's raised bar is named as such (a rate of 1.10 skipped beside a bar of 1.25 reads consistently)
+    import dataclasses
+
+    rounds = list(tr.rounds)
+    rounds[skipped[0]] = dataclasses.replace(rounds[skipped[0]], gate_rate=1.10, gate_threshold=1.25)
+    hover = figures.rounds_grid_figure(dataclasses.replace(tr, rounds=rounds), pieces).data[0].hovertext[skipped[0]][1]
+    assert "lately earned 1.10 tokens per step of cost, below the 1.25 tokens per step" in hover and "raised" in hover
 
 
 def test_hypotheses_table(traces, pieces):

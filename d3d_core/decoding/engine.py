@@ -421,6 +421,7 @@ class Block:
     q: list  # q_j(d_j) of the drafts verified
     held: list  # drafts past the verify plan's width: drafted, never verified
     gate_rate: Optional[float]  # the draft gate's estimate before this round; None: no gate
+    gate_threshold: Optional[float] = None  # what a round without a draft earns (the gate's threshold); None: no gate
 
     @property
     def ids(self) -> list:
@@ -459,7 +460,7 @@ def _draft_block(run: Run, mode, gate: Optional[DraftGate], rnd: int, anchor: in
     if draft is not None and run.cfg.verify == "adaptive":
         k = verify_width(q_drafts, run.costs, mode.draft_cost())
         held, draft, q_drafts = draft.ids[k - 1 :], draft.truncated(k - 1), q_drafts[: k - 1]
-    return Block(draft, source, q_drafts, held, gate_rate)
+    return Block(draft, source, q_drafts, held, gate_rate, gate.threshold if gate is not None else None)
 
 
 def _verify(run: Run, mode, t_cache, rnd: int, anchor: int, block: Block) -> tuple:
@@ -497,6 +498,7 @@ def _record(rnd: int, s: int, anchor: int, block: Block, v, committed: list) -> 
         draft_probs=block.q, target_ids=v.target_ids[: len(block.ids) + 1],
         accepted=v.accepted, bonus=v.bonus, committed=committed, draft_source=block.source, held_back=block.held,
         gate_rate=None if block.gate_rate is None else round(block.gate_rate, 4),
+        gate_threshold=None if block.gate_threshold is None else round(block.gate_threshold, 4),
     )
 
 

@@ -82,6 +82,9 @@ class Round:
     hit: Optional[Bool] = None  # d3d-async: did one of them equal (accepted, bonus)?
     held_back: BlockIds = field(default_factory=list)  # drafts past the verify plan's width: drafted, never verified
     gate_rate: Optional[Float] = None  # the draft gate's estimate (tokens per step when drafting) before this round; None: no gate
+    # what a round without a draft earns, in tokens per step of cost (the gate's threshold: 1, ar's rate; more in
+    # d3d-async, whose undrafted rounds use every core); the gate drafts while gate_rate reaches it. None: no gate
+    gate_threshold: Optional[Float] = None
 
     @property
     def tokens(self) -> int:
