@@ -46,7 +46,7 @@ def test_timeline_summary(traces):
     df = figures.timeline_summary(traces)
     assert isinstance(df, pd.DataFrame) and list(df["mode"]) == ["ar", "dflash", "d3d-seq", "d3d-async"]
     row = df[df["mode"] == "d3d-async"].iloc[0]
-    assert row["overlap share"].endswith("%")
+    assert row["overlap share (% of drafter busy time)"].endswith("%")
 
 
 def test_acceptance_histogram(traces):
@@ -501,3 +501,30 @@ def test_economics_bars_add_up_and_flag_instead_of_break_even(traces):
     text = dict(zip(f.data[-1].y, f.data[-1].text))
     assert "⚠ implausible" in text["d3d-async"] and "break-even" not in text["d3d-async"]
     assert "break-even τ" in text["d3d-seq"]
+
+
+def test_one_accounting_across_screens(traces, pieces):
+    """A recorded race: every number that two screens both show is the same number — the Timeline table's target
+    idle share and its caption's, the table's decode time and the Race column's "decode … s", the table's hit rate
+    and the column's, and the undrafted rounds the Rounds grid marks and the economics count."""
+    import re
+
+    from app.tokens import column_html
+    from d3d_core.measure.economics import race_economics
+
+    df = figures.timeline_summary(traces).set_index("mode")
+    cap = figures.timeline_caption(traces)
+    ec = {e.mode: e for e in race_economics(traces)}
+    for tr in traces:
+        row = df.loc[tr.mode]
+        if tr.mode != "ar":
+            m = re.search(rf"\*\*{re.escape(tr.mode)}\*\*: the target sat idle (\d+)% of the decode \((\d+) ms\)", cap)
+            assert m and f"{m.group(1)}%" == row["target idle (% of decode)"], (tr.mode, cap)
+            assert abs(int(m.group(2)) - row["target idle (ms)"]) <= 0.5 + 1e-9
+        col = column_html(tr, pieces, tr.mode, econ=ec.get(tr.mode))
+        assert f"decode {row['decode (ms)'] / 1e3:.2f} s" in col, tr.mode
+        if row["hit rate"] != "-":
+            assert f"hit rate <b>{row['hit rate']}</b>" in col, tr.mode
+        grid = figures.rounds_grid_figure(tr, pieces).data[0]
+        if tr.mode != "ar":
+            assert sum(1 for z in grid.z if z[1] == figures.STATE_SKIPPED) == ec[tr.mode].skipped
