@@ -21,7 +21,7 @@ from d3d_core.measure.economics import race_economics
 from d3d_core.measure.latency import measured_taus, project_modes
 from d3d_core.measure.reading import race_load
 
-from . import engine_views, explain, figures, health, runs
+from . import engine_views, explain, figures, health, lesson, runs
 from .export import race_html, traces_json_of
 from .spaces_gpu import (
     MARGIN_S,
@@ -147,10 +147,8 @@ def _rounds_view(state, mode, idx):
     r = tr.rounds[idx]
     held = f" ({len(r.held_back)} more held back by the verify plan)" if r.held_back else ""
     if r.skipped:
-        est = f"{r.gate_rate:.2f}" if r.gate_rate is not None else "?"
         return fig, figures.hypotheses_table(tr, idx, state["pieces"]), (
-            f"**Round {idx}** of {n}: **no draft** — the draft gate skipped it (drafting had lately earned {est} tokens per step "
-            f"of cost, below what a round without a draft earns), so the target verified the anchor alone → 1 token committed")
+            f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
            + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
@@ -161,6 +159,7 @@ def _rounds_view(state, mode, idx):
         cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
         if r.hit and r.accepted == 0:
             cap += " — a hit with a = 0: no draft was accepted, but the hypothesis (0, bonus) guessed the target's token, so the next block was still ready"
+    cap += "\n\n" + lesson.round_sentence(r, state["pieces"], mode)
     return fig, figures.hypotheses_table(tr, idx, state["pieces"]), cap
 
 
