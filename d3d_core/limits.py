@@ -25,7 +25,7 @@ RACE_SPREAD_RESAMPLES = 400  # round-level bootstrap resamples behind a race spe
 # 4-bit blocks); the app's default is $D3D_ENGINE when set to one of them, else APP_ENGINE_DEFAULT
 APP_ENGINES = ("fp32", "int4")
 # int4: speculation is judged against the fastest ar this app has (a faster baseline is the fairer one; on the quiet
-# Xeon int4 ar is 2.15x fp32 ar and 0.76x llama.cpp, stop 27, docs/ENGINE.md); fp32 shows the same rounds against a slower target
+# Xeon int4 ar is 2.15x fp32 ar and 0.76x llama.cpp, 2026-12-06, commit ead46de, docs/ENGINE.md); fp32 shows the same rounds against a slower target
 APP_ENGINE_DEFAULT = "int4"
 APP_RACE_SECONDS = 120  # wall-clock cap per race: the longest a visitor holds the decode lane
 APP_SESSION_TTL_S = 3600  # a visitor's traces are dropped this long after their last change
