@@ -1,4 +1,4 @@
-"""Every relative link in the README and in docs/ resolves, and no file a reader
+"""The README is a short product page, every relative link in it and in docs/ resolves, and no file a reader
 sees names an internal work session ("stop 27") instead of something they can look up (a date, a commit)."""
 
 import re
@@ -28,6 +28,19 @@ def relative_links(md: Path):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
             continue  # a URL, or an anchor in the same file
         yield target
+
+
+def test_the_readme_is_a_short_page_that_starts_with_the_two_commands():
+    size = README.stat().st_size
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes (at most {README_MAX_BYTES}): move the long parts into docs/"
+    text = body(README.read_text(encoding="utf-8"))
+    first_block = re.search(r"```[a-z]*\n(.*?)```", text, re.S)
+    assert first_block, "README.md has no code block"
+    cmds = [line.split("#")[0].strip() for line in first_block.group(1).splitlines() if line.strip()]
+    assert cmds == [SERVE, TEST], cmds
+    assert text.index("```") < 1500, "the two commands come right after the 2-3 sentences that say what this is"
+    for script in (SERVE, TEST):
+        assert (ROOT / script).is_file()
 
 
 def test_every_relative_link_in_the_readme_and_docs_resolves():
