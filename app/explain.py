@@ -33,7 +33,7 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
 {(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
-block — which is why the engine's **verify plan** (below) checks only the drafts likely to pay. The
+block — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. The
 **Timeline** tab's economics panel shows the break-even τ for your own run, and the **Benchmarks**
 tab where each forward's time goes.
 """
@@ -161,6 +161,21 @@ drafters aim at). Whether it pays is not measured here: the **Benchmarks** tab's
 latency model, and only a GPU run can settle it.
 """
 
+START = """
+### How it works, one short section at a time
+Read the sections in the row of tabs above from left to right; each takes a minute and answers one question:
+
+1. **Draft, then verify**: what a round is, and why every mode prints exactly the target's tokens
+2. **Verify plan, draft gate**: why, on this CPU, some drafts are never checked and some rounds draft nothing
+3. **DFlash**: a drafter that must wait for the target
+4. **D3D during verify**: drafting the next block while the target checks this one, and what a miss costs
+5. **A deeper drafter**: more τ is not more speed
+6. **Skipping drafter layers**: what pruning trades
+
+**Which τ is which** and the **Glossary** explain every number the app shows. Then check each answer on your own
+race: the table below names the tab that shows it.
+"""
+
 GLOSSARY = """
 ### Glossary (every number the app shows)
 | term | meaning |
@@ -199,7 +214,7 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 
 | question | where to look |
 |---|---|
-| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: tokens each round committed, `a + 1` (1 … B: the accepted drafts plus the bonus), the same convention as the Benchmarks histogram; *Which τ is which* below says why the app shows several |
+| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: tokens each round committed, `a + 1` (1 … B: the accepted drafts plus the bonus), the same convention as the Benchmarks histogram; the *Which τ is which* section says why the app shows several |
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
 | **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a vermillion (red-orange) *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
