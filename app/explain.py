@@ -7,7 +7,7 @@ INTRO_GENERIC = """
 The **target** (the large model whose output we must reproduce exactly) produces one token per
 forward pass. On a GPU at batch size 1, that pass is dominated by reading the weights, so feeding it
 8 tokens costs little more than feeding it 1 — speculative decoding exploits exactly that. Whether it
-holds on *this* machine is measured in the **Benchmarks** tab (cost breakdown).
+holds on *this* machine is measured in the **Benchmarks** tab (*Where the time goes*).
 """
 
 
@@ -33,8 +33,8 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
 {(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
-block — which is why the engine's **verify plan** (below) checks only the drafts likely to pay. The
-**Timeline** tab's economics panel shows the break-even τ for your own run, and the **Benchmarks**
+block — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. The
+**Timeline** tab's *Economics of this run* shows the break-even τ for your own run, and the **Benchmarks**
 tab where each forward's time goes.
 """
 
@@ -157,8 +157,23 @@ Race both drafters on one prompt and compare the τ and tokens/s counters, then 
 **Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1
 it costs about one verify there too — not a fraction of one. What a GPU can change is the overlap: on its own
 stream, with bandwidth to spare, such a draft may hide behind verify (the regime the D3D preprint's full-depth
-drafters aim at). Whether it pays is not measured here: the **Benchmarks** tab's GPU profiles project it from a
+drafters aim at). Whether it pays is not measured here: the **Benchmarks** tab's *Projections* (GPU profiles) project it from a
 latency model, and only a GPU run can settle it.
+"""
+
+START = """
+### How it works, one short section at a time
+Read the sections in the row of tabs above from left to right; each takes a minute and answers one question:
+
+1. **Draft, then verify**: what a round is, and why every mode prints exactly the target's tokens
+2. **Verify plan, draft gate**: why, on this CPU, some drafts are never checked and some rounds draft nothing
+3. **DFlash**: a drafter that must wait for the target
+4. **D3D during verify**: drafting the next block while the target checks this one, and what a miss costs
+5. **A deeper drafter**: more τ is not more speed
+6. **Skipping drafter layers**: what pruning trades
+
+**Which τ is which** and the **Glossary** explain every number the app shows. Then check each answer on your own
+race: the table below names the tab that shows it.
 """
 
 GLOSSARY = """
@@ -199,13 +214,13 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 
 | question | where to look |
 |---|---|
-| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: tokens each round committed, `a + 1` (1 … B: the accepted drafts plus the bonus), the same convention as the Benchmarks histogram; *Which τ is which* below says why the app shows several |
+| **What is τ?** | **Race** tab: each column's `τ` counter; **Acceptance** tab: tokens each round committed, `a + 1` (1 … B: the accepted drafts plus the bonus), the same convention as the Benchmarks histogram; the *Which τ is which* section says why the app shows several |
 | **Why must the DFlash-style drafter wait?** | **Timeline** tab: on the `dflash` lanes every draft starts only after the previous verify ended — it needs that verify's hidden states |
 | **What does D3D draft during verify?** | **Rounds** tab, mode `d3d-async`: the hypotheses table lists the `(a, t)` guesses drafted while the target verified that round, and which one hit |
-| **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a vermillion (red-orange) *sync draft* span the target waits for; the economics bar shows it as *draft not hidden* |
-| **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* to compare the tokens/s counters |
-| **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* to see the difference in the τ and tokens/s counters |
-| **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (cost breakdown) while τ saturates (block-size sweep) |
+| **What does a miss cost?** | **Timeline** tab: a ✗ at the end of a verify is followed by a vermillion (red-orange) *sync draft* span the target waits for; its *Economics of this run* bar shows it as *draft not hidden* |
+| **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* (Race tab, under *Verify plan, drafting and sampling*) to compare the tokens/s counters |
+| **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* (the same place) to see the difference in the τ and tokens/s counters |
+| **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (*Where the time goes*) while τ saturates (*Acceptance and block size*) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the grey dashed line, right axis; from this machine's cost breakdown) |
 | **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |

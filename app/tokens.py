@@ -23,6 +23,9 @@ CSS = """
 .d3d-stats {font-family: system-ui, sans-serif; font-size: 12.5px; color: #333; margin-bottom: 6px;
             display: grid; grid-template-columns: repeat(3, auto); gap: 2px 10px;}
 .d3d-stats b {font-variant-numeric: tabular-nums;}
+/* a term with a hover explanation */
+.d3d-stats span[title], .d3d-drafter[title], .term {cursor: help;}
+.term, .d3d-drafter[title] {text-decoration: underline dotted #999;}
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
@@ -74,6 +77,20 @@ def drafter_line(trace: Trace) -> str:
     if trace.mode == "dflash":
         text += " + hidden states from the target's feature layers"
     return text
+
+
+def drafter_tip(trace: Trace) -> str:
+    """Hover text for the drafter line, where it names something a newcomer cannot guess (adapters, feature layers)."""
+    tips = []
+    if "adapters" in (trace.drafter or ""):
+        m = re.search(r"rank-(\d+)", trace.drafter)
+        tips.append(f"{'rank-' + m.group(1) + ' ' if m else ''}adapters: small trained low-rank weight matrices added to the "
+                    "target's own frozen layers; they act only on the MASK slots, so draft 1 (read at the anchor) is the "
+                    "target's own token")
+    if trace.mode == "dflash":
+        tips.append("drafter layers: the DFlash drafter's own small stack; feature layers: the target layers whose hidden "
+                    "states it reads, available only after each verify")
+    return f' title="{html.escape("; ".join(tips))}"' if tips else ""
 
 
 def _drafter_layers(trace) -> Optional[int]:
@@ -165,12 +182,12 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
         speed_txt = econ.speedup_label()  # with its spread, or "too short to time (N rounds)"
     fwd = (1 + rounds_done) if not final else st.target_forwards
     stats = (
-        f"<span>tokens/s <b>{_fmt(tps, '{:.1f}')}</b></span><span>τ <b>{_fmt(tau)}</b></span>"
-        f"<span>rounds <b>{rounds_done}</b></span><span>target fwd <b>{fwd}</b></span>"
-        f"<span>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span>"
+        f"<span{_tip('tokens/s')}>tokens/s <b>{_fmt(tps, '{:.1f}')}</b></span><span{_tip('τ')}>τ <b>{_fmt(tau)}</b></span>"
+        f"<span{_tip('rounds')}>rounds <b>{rounds_done}</b></span><span{_tip('target fwd')}>target fwd <b>{fwd}</b></span>"
+        f"<span{_tip('hit rate')}>hit rate <b>{_fmt(hr, '{:.0%}')}</b></span>"
         + (f"<span style='color:#999' title='the machine was busy during this race: the ratio is not a reading'>speedup "
            f"<s>{html.escape(speed_txt)}</s> (busy)</span>" if busy and final and trace.mode != "ar" else
-           f"<span>speedup <b>{html.escape(speed_txt)}</b></span>")
+           f"<span{_tip('speedup')}>speedup <b>{html.escape(speed_txt)}</b></span>")
     )
     foot = ""
     if final:
@@ -181,28 +198,62 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
         foot = '<div class="d3d-done">running…</div>'
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
-        + (f'<div class="d3d-drafter">{html.escape(drafter_line(trace))}</div>' if trace.drafter else "") +
+        + (f'<div class="d3d-drafter"{drafter_tip(trace)}>{html.escape(drafter_line(trace))}</div>' if trace.drafter else "") +
         f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
     )
 
 
+# what each number under a column means, shown on hover (the glossary of How it works has the long form)
+TIPS = {
+    "tokens/s": "output tokens after the first, divided by decode time (prefill excluded)",
+    "τ": "acceptance length: tokens committed per round (accepted drafts + the bonus token), averaged over rounds",
+    "rounds": "rounds so far: one draft (or none, when the draft gate skips it) + one target verify",
+    "target fwd": "target forward passes: the prefill plus one verify per round",
+    "hit rate": "d3d-async: share of rounds whose next block was already drafted during verify (a hypothesis (a, t) "
+                "matched the verify's outcome); the other rounds paid a synchronous draft",
+    "speedup": "ar's time per token ÷ this mode's, in this race; in brackets the 10–90 % spread over resampled rounds",
+    "per token": "this mode's measured time per output token = one round ÷ τ",
+    "round": "decode time ÷ rounds",
+    "verify": "the target's verify forwards (verify(k): one forward over k tokens, the anchor + k − 1 drafts)",
+    "draft not hidden": "drafting the target had to wait for (d3d-async hides the drafts that run during verify)",
+    "other": "time neither lane was busy: bookkeeping between forwards",
+    "T_verify": "mean time of one verify",
+    "T_draft": "mean time of one draft",
+    "T_packed": "mean time of one packed pass: d3d-async's drafts for all H hypotheses in one forward, run during verify",
+    "T_step": "what ar paid per token in this race",
+    "break-even τ": "round ÷ T_step: the τ at which this mode, with these round costs, would tie ar here",
+}
+
+
+def _tip(term: str) -> str:
+    """A title attribute (hover text) for a term of the column."""
+    return f' title="{html.escape(TIPS[term])}"'
+
+
+def _term(term: str, shown: str = "") -> str:
+    """The term as shown, with its hover text."""
+    return f'<span class="term"{_tip(term)}>{html.escape(shown or term)}</span>'
+
+
 def _econ_html(e) -> str:
     """The run's economics in three short lines (ms from its own spans): per token and per round, each the sum of
-    verify + draft not hidden + other, and break-even τ = round / T_step (T_step: ar's time per token in this race)."""
-    lines = [f"per token <b>{e.per_token_ms:.0f} ms</b> = verify {e.verify_per_token_ms:.0f} + draft not hidden "
-             f"{e.draft_visible_per_token_ms:.0f} + other {e.idle_per_token_ms:.0f}"]
+    verify + draft not hidden + other, and break-even τ = round / T_step (T_step: ar's time per token in this race).
+    Each term carries its meaning as hover text."""
+    parts = f"{_term('verify')} {{:.0f}} + {_term('draft not hidden')} {{:.0f}} + {_term('other')} {{:.0f}}"
+    lines = [f"{_term('per token')} <b>{e.per_token_ms:.0f} ms</b> = "
+             + parts.format(e.verify_per_token_ms, e.draft_visible_per_token_ms, e.idle_per_token_ms)]
     if e.mode != "ar":
         v, d, o = e.round_parts_ms()
-        lines.append(f"round {e.round_ms:.0f} ms = verify {v:.0f} + draft not hidden {d:.0f} + other {o:.0f}")
-        c = f"T_verify {e.t_verify_ms:.0f} ms"
+        lines.append(f"{_term('round')} {e.round_ms:.0f} ms = " + parts.format(v, d, o))
+        c = f"{_term('T_verify')} {e.t_verify_ms:.0f} ms"
         if e.t_draft_ms is not None:
-            c += f" · T_draft {e.t_draft_ms:.0f}"
+            c += f" · {_term('T_draft')} {e.t_draft_ms:.0f}"
         if e.t_packed_ms is not None:
-            c += f" · T_packed {e.t_packed_ms:.0f}"
+            c += f" · {_term('T_packed')} {e.t_packed_ms:.0f}"
         lines.append(c)
         if e.flags:
             lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))
         elif e.break_even_tau is not None:
-            lines.append(f"break-even τ = round {e.round_ms:.0f} / T_step {e.t_step_ms:.0f} ms = <b>{e.break_even_tau:.2f}</b> "
-                         f"(τ here {e.tau:.2f})")
+            lines.append(f"{_term('break-even τ')} = round {e.round_ms:.0f} / {_term('T_step')} {e.t_step_ms:.0f} ms = "
+                         f"<b>{e.break_even_tau:.2f}</b> (τ here {e.tau:.2f})")
     return '<div class="d3d-done d3d-econ">' + "<br>".join(lines) + "</div>"

@@ -655,7 +655,7 @@ def build_demo() -> gr.Blocks:
     lim = service.APP_LIMITS
     home = service.app_bundle()  # the bundle the page opens on (D3D_BUNDLE on a GPU Space), one this host can run
     # delete_cache: Gradio's copies of served files (downloads, exports, uploads) go once past the app's temp-file age
-    with gr.Blocks(title="D3D Studio", delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
+    with gr.Blocks(title="D3D Studio", fill_width=True, delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
         state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
         gr.Markdown(
             "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
@@ -666,40 +666,48 @@ def build_demo() -> gr.Blocks:
         status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
+                # the page fits a 1000 px screen: the prompt, engine and D3D drafter on the left, the bundle, modes, sizes
+                # and the pruned-drafter switch on the right (two columns of about equal height), the rules a first race
+                # leaves as they are folded below
                 with gr.Row():
                     with gr.Column(scale=3):
                         prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
                                     label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
-                    with gr.Column(scale=2):
-                        bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)")
-                        modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
-                        with gr.Row():
-                            block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
-                                              label="Block size B (the bundle's fastest measured B is the default)")
-                            hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)")
-                        with gr.Row():
-                            max_new = gr.Slider(8, lim["max_new_max"], value=96, step=8, label="Max new tokens")
-                            temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature")
-                        with gr.Row():
-                            sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
-                            seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
-                        verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
-                                          info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
-                                               "full: all B − 1 drafts.")
-                        drafting = gr.Radio(["gated", "always"], value="gated", label="Drafting",
-                                            info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
-                                                 "Rounds). always: draft every round.")
-                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
-                                                 info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
-                        d3d_names = service.d3d_drafters(home)
-                        d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
-                                            label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
-                                            info="d3d-deep: all the target's layers + adapters. Higher τ, but here each draft costs about "
-                                                 "one target step: race both and compare.")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
                                           value=service.default_engine(), label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
+                        d3d_names = service.d3d_drafters(home)
+                        d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
+                                            label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
+                                            info="d3d-deep: all the target's layers + rank-64 adapters (small trained low-rank weights that act "
+                                                 "only on the MASK slots). Higher τ, but here each draft costs about one target step: race both and compare.")
+                    with gr.Column(scale=2):
+                        bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
+                                             info="a target model with the drafters trained for it; smollm2-135m is read from its GGUF "
+                                                  "file (llama.cpp's format)")
+                        modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
+                        block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
+                                          label="Block size B (the bundle's fastest measured B is the default)",
+                                          info="a block = the anchor (the last committed token) + B − 1 drafts")
+                        hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
+                                         info="guesses (a, t) of the verify's outcome, drafted during verify in one packed pass")
+                        max_new = gr.Slider(8, lim["max_new_max"], value=96, step=8, label="Max new tokens")
+                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
+                                                 info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
+                with gr.Accordion("Verify plan, drafting and sampling (the defaults suit a first race)", open=False,
+                                  elem_id="race-rules"):
+                    with gr.Row():
+                        verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
+                                          info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
+                                               "full: all B − 1 drafts. verify(k) in the status = one target forward over k tokens.")
+                        drafting = gr.Radio(["gated", "always"], value="gated", label="Drafting",
+                                            info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
+                                                 "Rounds). always: draft every round.")
+                    with gr.Row():
+                        temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature")
+                        sampling = gr.Radio(["match", "rejection"], value="match", label="Verify rule (temperature > 0)")
+                        seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
                 with gr.Row():
                     run_btn = gr.Button("▶ Run race", variant="primary", elem_id="run")
                     stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop")
@@ -713,7 +721,9 @@ def build_demo() -> gr.Blocks:
                 with gr.Row(equal_height=False):
                     cols = [gr.HTML(column_html(None, {}, m), elem_id=f"col-{m}") for m in MODES]
             with gr.Tab("Rounds", id="rounds"):
-                gr.Markdown("One row per round, one column per block position. Hover a cell for the drafter's probability and the target's token. Step through the decode round by round.")
+                gr.Markdown("One row per round, one column per block position: the **anchor** (the last committed token, where the block starts), "
+                            "the drafts d1 … d(B−1), and the bonus (the target's own token after the accepted drafts). Hover a cell for the "
+                            "drafter's probability and the target's token. Step through the decode round by round.")
                 with gr.Row():
                     r_mode = gr.Radio(list(MODES), value="d3d-async", label="Mode")
                     r_idx = gr.Slider(0, 1, value=0, step=1, label="Show rounds up to")
@@ -722,30 +732,41 @@ def build_demo() -> gr.Blocks:
                     next_btn = gr.Button("next round ▶")
                 r_caption = gr.Markdown()
                 r_grid = gr.Plot(figures.rounds_grid_figure(None, {}), label="Rounds")
-                r_hyps = gr.Dataframe(figures.hypotheses_table(None, 0, {}), label="Hypotheses drafted during this round's verify (d3d-async)", interactive=False)
+                r_hyps = gr.Dataframe(figures.hypotheses_table(None, 0, {}), interactive=False,
+                                      label="Hypotheses (a, t) drafted during this round's verify (d3d-async): \"a drafts will be accepted and the bonus will be t\"; "
+                                            "a hit means the next block was ready")
             with gr.Tab("Timeline", id="timeline"):
                 with gr.Row():
                     clock = gr.Radio(service.clock_names(), value=service.MEASURED_CLOCK, elem_id="clock",
                                      label="Clock: as measured here, or this run re-timed on other hardware (latency model, projected)")
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
-                tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
-                tl_cap = gr.Markdown(elem_id="timeline-caption")
-                tl_summary = gr.Dataframe(figures.timeline_summary([]), interactive=False,
-                                          label="Overlap and idle time — overlap share: the part of the drafter's busy time that ran while the "
-                                                "target verified (hidden work); target idle: time the target waited (for drafts, a miss's sync "
-                                                "draft, bookkeeping) — why, for this run, is written above the table")
-                gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
-                            "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
-                            "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
-                            "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
-                            "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
-                            "(the same number as \"a round costs N ar steps\"). This T_step is usually larger than the "
-                            "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine): it also holds "
-                            "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile.")
-                econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
-                econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
-                                          interactive=False, wrap=True)
+                # two short sections, one at a time (the page fits a 1000 px screen): both lanes, then what a token cost
+                with gr.Tabs(elem_id="timeline-sections"):
+                    with gr.Tab("Both lanes, in ms", id="timeline-lanes"):
+                        tl_plot = gr.Plot(figures.timeline_figure([]), label="Timeline")
+                        tl_cap = gr.Markdown(elem_id="timeline-caption")
+                        tl_summary = gr.Dataframe(figures.timeline_summary([]), interactive=False,
+                                                  label="Overlap and idle time — overlap share: the part of the drafter's busy time that ran while the "
+                                                        "target verified (hidden work); target idle: time the target waited (for drafts, a miss's sync "
+                                                        "draft, bookkeeping); hit rate: share of d3d-async rounds whose next block was already drafted "
+                                                        "— why, for this run, is written above the table")
+                        gr.Markdown("Next: **Economics of this run** (the tab beside this one) splits what one output token cost.",
+                                    elem_id="timeline-next")
+                    with gr.Tab("Economics of this run", id="timeline-economics"):
+                        gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
+                                    "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
+                                    "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
+                                    "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
+                                    "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
+                                    "(the same number as \"a round costs N ar steps\"). This T_step is usually larger than the "
+                                    "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine): it also holds "
+                                    "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
+                                    "In the table, *T_verify(B)*, *T_draft* and *T_packed* are the mean times of one verify of B tokens, one "
+                                    "draft, and one packed pass (d3d-async's drafts for all H hypotheses in one forward, run during verify).")
+                        econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
+                        econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
+                                                  interactive=False, wrap=True)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
                 gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home)),
@@ -765,82 +786,108 @@ def build_demo() -> gr.Blocks:
                     p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
                 p_load = gr.Button("Reload layers and curve")
             with gr.Tab("Benchmarks", id="benchmarks"):
-                gr.Markdown("**Measured** by `python -m d3d_core.measure.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
-                            "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
-                            "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.")
-                v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
-                b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
-                b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
-                                       "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
-                gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
-                            "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
-                            "Speculation pays when verify(B) costs about one step and a draft a small fraction of one.")
-                b_cprov = gr.Markdown(v_cprov)
-                b_costs = gr.Plot(v_costs, label="Cost breakdown")
-                b_overlap = gr.Markdown(v_overlap, elem_id="overlap-crossover")
-                gr.Markdown("**Engines: how fast is the baseline, and what is speculation worth at each speed?** "
-                            "`python -m d3d_core.measure.engines` times plain decoding on the fp32 and int4 engines and llama.cpp "
-                            "(`--peers llama-cpp`, an optional install) on the same prompts and threads in one run; a bench per engine "
-                            "(`bench --engine fast|int4`) times every mode against that engine's own ar. The Race tab races on either engine.")
-                e_text, e_table, e_fig, e_cprov, e_costs = engines_views(home)
-                b_etext = gr.Markdown(e_text, elem_id="engines-text")
-                b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
-                b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
-                gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
-                            "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on this Xeon (unpacking them, "
-                            "not memory, sets its speed); the glue around them (Python, norms, casts, RoPE, KV writes: “everything else”) "
-                            "and attention take about as long again; a verify of 8 rows costs about two steps here, not one.")
-                b_ecprov = gr.Markdown(e_cprov)
-                b_ecosts = gr.Plot(e_costs, label="Cost breakdown, int4 engine")
-                gr.Markdown("**Latency model check** on the same run: the speedup the model below predicts from the measured τ and hit rate, "
-                            "with the costs the run itself paid (mean span times) and, where the bench ran with `--cost-probe`, with separately "
-                            "probed costs (those columns appear only when measured). "
-                            "The error is (predicted − measured) / measured.")
-                b_check = gr.Dataframe(v_check, label="Model vs measured speedup", interactive=False)
-                with gr.Row():
-                    with gr.Column():
-                        b_ds = gr.Dropdown(v_ds, value="all", label="Acceptance histogram of dataset")
-                        b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
-                    b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
-                gr.Markdown("**Projected** with the latency model (`d3d_core/measure/latency.py`): sequential round = T_draft + T_verify, async round = "
-                            "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe "
-                            "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
-                            "not measurements; each cost profile states its source and assumptions.")
-                with gr.Row():
-                    pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1],
-                                             label="Cost profile (“measured”: timed on that machine, a GPU by scripts/gpu_check.py; "
-                                                   "“derived”: assumed from datasheets)")
-                    m_tau, m_hit, m_B = service.measured_point(home)
-                    pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
-                    pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
-                with gr.Row():
-                    pj_tau = gr.Slider(0.5, 3.0, value=1.0, step=0.01,
-                                       label="τ scale: × each mode's own measured τ (1 = as the bench measured each mode; capped to [1, B])")
-                    pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label="hit rate (d3d-async; starts at the measured one)")
-                with gr.Row():
-                    pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
-                    pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")
-                    pj_p = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× packed-pass cost")
-                pj_plot = gr.Plot(label="Projected speedup (model)")
-                pj_src = gr.Markdown()
+                # short sections, one at a time (the page fits a 1000 px screen); the first says what the others hold
+                with gr.Tabs(elem_id="bench-sections"):
+                    with gr.Tab("Measured bench", id="bench-measured"):
+                        gr.Markdown("**Measured** by `python -m d3d_core.measure.bench` (shipped with the bundle; τ, speedup vs ar in the same run, "
+                                    "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
+                                    "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.\n\n"
+                                    "The other sections, left to right: **Acceptance and block size** · **Where the time goes** (each forward "
+                                    "against this CPU's bound) · **Engines** (fp32, int4 and llama.cpp) · **int4 step costs** · "
+                                    "**Model check** (the latency model against this bench) · **Projections** (other hardware, model-based).",
+                                    elem_id="bench-intro")
+                        v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
+                        b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
+                        b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
+                                               "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
+                    with gr.Tab("Acceptance and block size", id="bench-acceptance"):
+                        with gr.Row():
+                            with gr.Column():
+                                b_ds = gr.Dropdown(v_ds, value="all", label="Acceptance histogram of dataset")
+                                b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
+                            b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
+                    with gr.Tab("Where the time goes", id="bench-costs"):
+                        gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
+                                    "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
+                                    "Speculation pays when verify(B) (one target forward over B tokens) costs about one step and a draft a small "
+                                    "fraction of one.")
+                        b_cprov = gr.Markdown(v_cprov)
+                        b_costs = gr.Plot(v_costs, label="Cost breakdown")
+                        b_overlap = gr.Markdown(v_overlap, elem_id="overlap-crossover")
+                    with gr.Tab("Engines", id="bench-engines"):
+                        gr.Markdown("**Engines: how fast is the baseline, and what is speculation worth at each speed?** "
+                                    "`python -m d3d_core.measure.engines` times plain decoding on the fp32 and int4 engines and llama.cpp "
+                                    "(`--peers llama-cpp`, an optional install) on the same prompts and threads in one run; a bench per engine "
+                                    "(`bench --engine fast|int4`) times every mode against that engine's own ar. The Race tab races on either engine.")
+                        e_text, e_table, e_fig, e_cprov, e_costs = engines_views(home)
+                        b_etext = gr.Markdown(e_text, elem_id="engines-text")
+                        b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
+                        b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
+                    with gr.Tab("int4 step costs", id="bench-int4-costs"):
+                        gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
+                                    "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on this Xeon (unpacking them, "
+                                    "not memory, sets its speed); the glue around them (Python, norms, casts, RoPE, KV writes: “everything else”) "
+                                    "and attention take about as long again; a verify of 8 rows costs about two steps here, not one.")
+                        b_ecprov = gr.Markdown(e_cprov)
+                        b_ecosts = gr.Plot(e_costs, label="Cost breakdown, int4 engine")
+                    with gr.Tab("Model check", id="bench-model-check"):
+                        gr.Markdown("**Latency model check** on the same run: the speedup the model (the *Projections* section) predicts from the "
+                                    "measured τ and hit rate, with the costs the run itself paid (mean span times) and, where the bench ran with "
+                                    "`--cost-probe`, with separately probed costs (those columns appear only when measured). "
+                                    "The error is (predicted − measured) / measured.")
+                        b_check = gr.Dataframe(v_check, label="Model vs measured speedup", interactive=False)
+                    with gr.Tab("Projections", id="bench-projections"):
+                        gr.Markdown("**Projected** with the latency model (`d3d_core/measure/latency.py`): sequential round = T_draft + T_verify, async round = "
+                                    "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe "
+                                    "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
+                                    "not measurements; each cost profile states its source and assumptions.")
+                        with gr.Row():
+                            pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1],
+                                                     label="Cost profile (“measured”: timed on that machine, a GPU by scripts/gpu_check.py; "
+                                                           "“derived”: assumed from datasheets)")
+                            m_tau, m_hit, m_B = service.measured_point(home)
+                            pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
+                            pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
+                        with gr.Row():
+                            pj_tau = gr.Slider(0.5, 3.0, value=1.0, step=0.01,
+                                               label="τ scale: × each mode's own measured τ (1 = as the bench measured each mode; capped to [1, B])")
+                            pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label="hit rate (d3d-async; starts at the measured one)")
+                        with gr.Row():
+                            pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
+                            pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")
+                            pj_p = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× packed-pass cost")
+                        pj_plot = gr.Plot(label="Projected speedup (model)")
+                        pj_src = gr.Markdown()
             with gr.Tab("How it works", id="explain"):
-                gr.Markdown(explain.QUESTIONS, elem_id="questions")
-                gr.Markdown(explain.intro(service.cost_breakdown(home)), elem_id="intro")
-                gr.Plot(figures.diagram_ar(), label="AR")
-                gr.Markdown(explain.DRAFT_VERIFY)
-                gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
-                gr.Markdown(explain.VERIFY_PLAN)
-                gr.Markdown(explain.DRAFT_GATE)
-                gr.Markdown(explain.DFLASH)
-                gr.Plot(figures.diagram_dflash(), label="DFlash")
-                gr.Markdown(explain.D3D)
-                gr.Plot(figures.diagram_d3d_async(service.cost_breakdown(home)), label="D3D async")
-                gr.Markdown(explain.MISS)
-                gr.Markdown(explain.DEPTH)
-                gr.Markdown(explain.PRUNING)
-                gr.Plot(figures.diagram_pruning(), label="Pruning")
-                gr.Markdown(explain.WHICH_TAU)
-                gr.Markdown(explain.GLOSSARY)
+                # one short section at a time (the page fits a 1000 px screen); the first says in which order to read them
+                with gr.Tabs(elem_id="explain-sections"):
+                    with gr.Tab("Start here", id="explain-start"):
+                        gr.Markdown(explain.START, elem_id="explain-start-text")
+                        gr.Markdown(explain.QUESTIONS, elem_id="questions")
+                    with gr.Tab("1 · Draft, then verify", id="explain-draft-verify"):
+                        gr.Markdown(explain.intro(service.cost_breakdown(home)), elem_id="intro")
+                        gr.Plot(figures.diagram_ar(), label="AR")
+                        gr.Markdown(explain.DRAFT_VERIFY)
+                        gr.Plot(figures.diagram_draft_verify(), label="Draft then verify")
+                    with gr.Tab("2 · Verify plan, draft gate", id="explain-plan-gate"):
+                        gr.Markdown(explain.VERIFY_PLAN)
+                        gr.Markdown(explain.DRAFT_GATE)
+                    with gr.Tab("3 · DFlash", id="explain-dflash"):
+                        gr.Markdown(explain.DFLASH)
+                        gr.Plot(figures.diagram_dflash(), label="DFlash")
+                    with gr.Tab("4 · D3D during verify", id="explain-d3d"):
+                        gr.Markdown(explain.D3D)
+                        gr.Plot(figures.diagram_d3d_async(service.cost_breakdown(home)), label="D3D async")
+                        gr.Markdown(explain.MISS)
+                    with gr.Tab("5 · A deeper drafter", id="explain-depth"):
+                        gr.Markdown(explain.DEPTH)
+                    with gr.Tab("6 · Skipping drafter layers", id="explain-pruning"):
+                        gr.Markdown(explain.PRUNING)
+                        gr.Plot(figures.diagram_pruning(), label="Pruning")
+                    with gr.Tab("Which τ is which", id="explain-which-tau"):
+                        gr.Markdown(explain.WHICH_TAU)
+                    with gr.Tab("Glossary", id="explain-glossary"):
+                        gr.Markdown(explain.GLOSSARY)
             with gr.Tab("Traces", id="traces"):
                 gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
                 dl_btn = gr.Button("Prepare download")

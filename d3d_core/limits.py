@@ -25,7 +25,7 @@ RACE_SPREAD_RESAMPLES = 400  # round-level bootstrap resamples behind a race spe
 # 4-bit blocks); the app's default is $D3D_ENGINE when set to one of them, else APP_ENGINE_DEFAULT
 APP_ENGINES = ("fp32", "int4")
 # int4: speculation is judged against the fastest ar this app has (a faster baseline is the fairer one; on the quiet
-# Xeon int4 ar is 2.15x fp32 ar and 0.76x llama.cpp, stop 27, docs/ENGINE.md); fp32 shows the same rounds against a slower target
+# Xeon int4 ar is 2.15x fp32 ar and 0.76x llama.cpp, 2026-12-06, commit ead46de, docs/ENGINE.md); fp32 shows the same rounds against a slower target
 APP_ENGINE_DEFAULT = "int4"
 # the Pruning tab's live τ: a drafter of at most this many layers is measured on every calibration sequence, a deeper
 # one (d3d-deep, 30) on as many as keep layers × sequences the same, so each toggle answers in about the same time

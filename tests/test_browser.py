@@ -1,5 +1,6 @@
 """A real headless browser (Debian chromium via playwright) loads the page, runs a short race
-on the real bundle, opens every tab and checks that the plots rendered. Screenshots go to
+on the real bundle, opens every tab (and each section of a tab split into sections) and checks that the plots
+rendered and that none is taller than 2,000 px at 1500 x 1000. Screenshots go to
 $D3D_SCREENSHOTS (default: tests/screenshots, git-ignored)."""
 
 import os
@@ -14,6 +15,17 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+PAGE_MAX_PX = 2000  # at 1500 x 1000, after a short race, no tab (and no section of one) is taller than this
+# the tabs split into short sections, one shown at a time: (the sections' container, their names, the first to show a plot)
+SECTIONS = {
+    "Timeline": ("#timeline-sections", ["Both lanes, in ms", "Economics of this run"], "Both lanes, in ms"),
+    "Benchmarks": ("#bench-sections", ["Measured bench", "Acceptance and block size", "Where the time goes", "Engines",
+                                       "int4 step costs", "Model check", "Projections"], "Acceptance and block size"),
+    "How it works": ("#explain-sections", ["Start here", "1 · Draft, then verify", "2 · Verify plan, draft gate", "3 · DFlash",
+                                           "4 · D3D during verify", "5 · A deeper drafter", "6 · Skipping drafter layers",
+                                           "Which τ is which", "Glossary"], "1 · Draft, then verify"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +50,10 @@ def _shot(page, name):
     d = Path(os.environ.get("D3D_SCREENSHOTS", ROOT / "tests" / "screenshots"))
     d.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(d / f"{name}.png"), full_page=True)
+
+
+def _page_height(page) -> int:
+    return page.evaluate("() => Math.max(document.documentElement.scrollHeight, document.body.scrollHeight)")
 
 
 def _set_slider(page, label, value):
@@ -65,21 +81,42 @@ def test_race_and_every_tab(server, page):
     assert "break-even τ = round" in col or "implausible reading" in col, col  # a flagged reading gets no break-even τ
     assert re.search(r"\d\.\d\d× \(\d\.\d\d–\d\.\d\d\) the speed of ar|too short to time", page.locator("#status").inner_text())
     _shot(page, "1-race")
+    heights = {"Race": _page_height(page)}
     for tab, name in (("Rounds", "2-rounds"), ("Timeline", "3-timeline"), ("Acceptance", "4-acceptance"),
                       ("Pruning", "5-pruning"), ("Benchmarks", "5b-benchmarks"), ("How it works", "6-explain")):
         page.get_by_role("tab", name=tab).click()
         page.wait_for_timeout(1500)
-        n = page.locator(".js-plotly-plot:visible").count()
-        assert n >= 1, f"no plot rendered on the {tab} tab"
-        if tab == "Timeline":
-            assert page.locator(".js-plotly-plot:visible .barlayer .point").count() > 10
-        if tab == "Rounds":
-            assert page.locator(".js-plotly-plot:visible .heatmaplayer, .js-plotly-plot:visible image").count() >= 1
+        heights[tab] = _page_height(page)
         _shot(page, name)
+        sel, names, plotted = SECTIONS.get(tab, (None, [], None))
+        if sel:  # the first section is the one shown; each section in turn, none taller than a page
+            shown = [t.inner_text().strip() for t in page.locator(f"{sel} [role=tab]").all() if t.is_visible()]
+            assert shown == names, shown
+            for i, sub in enumerate(names):
+                page.locator(f"{sel} [role=tab]").filter(has_text=sub).first.click()
+                page.wait_for_timeout(800)
+                heights[f"{tab} › {sub}"] = _page_height(page)
+                if sub == plotted:
+                    _plots_rendered(page, tab)
+                _shot(page, f"{name}-{i}")
+            page.locator(f"{sel} [role=tab]").filter(has_text=names[0]).first.click()
+        else:
+            _plots_rendered(page, tab)
+    tall = {k: v for k, v in heights.items() if v > PAGE_MAX_PX}
+    assert not tall, f"taller than {PAGE_MAX_PX} px at 1500 x 1000: {tall} (all: {heights})"
     page.get_by_role("tab", name="Traces").click()
     page.get_by_role("button", name="Prepare download").click()
     page.get_by_text(".json", exact=False).first.wait_for(timeout=20_000)
     _shot(page, "7-traces")
+
+
+def _plots_rendered(page, tab):
+    n = page.locator(".js-plotly-plot:visible").count()
+    assert n >= 1, f"no plot rendered on the {tab} tab"
+    if tab == "Timeline":
+        assert page.locator(".js-plotly-plot:visible .barlayer .point").count() > 10
+    if tab == "Rounds":
+        assert page.locator(".js-plotly-plot:visible .heatmaplayer, .js-plotly-plot:visible image").count() >= 1
 
 
 def test_clock_and_export(server, page, tmp_path):

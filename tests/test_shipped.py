@@ -11,10 +11,10 @@ from d3d_core.training.offline_tau import calibration_set, offline_tau
 pytestmark = pytest.mark.slow
 
 # measured when the drafters were shipped (docs/RESULTS.md, training section), minus a margin for float
-# differences between machines: an untrained drafter scores ~1.0 here. D3D: 2.292 for the stop-22 fine-tune on
+# differences between machines: an untrained drafter scores ~1.0 here. D3D: 2.292 for the fine-tune shipped in commit 7232bdb (2026-12-04) on
 # the calibration set shipped with it, whose floor sits above the drafter it replaced (2.114 on the same set),
-# so a revert to the old weights fails. DFlash: 1.732 for the stop-23 fine-tune (the drafter it replaced: 1.622).
-# d3d-deep (the adapter drafter, stop 23): 3.326, where the stop-22 checkpoint it continues scores 3.106
+# so a revert to the old weights fails. DFlash: 1.732 for the fine-tune shipped in commit 6490180 (2026-12-04; the drafter it replaced: 1.622).
+# d3d-deep (the adapter drafter, 2026-12-04, commit 6490180): 3.326, where the checkpoint of commit 197633d it continues scores 3.106
 TAU_FLOOR = {"d3d": 2.24, "dflash": 1.68, "d3d-deep": 3.25}
 
 

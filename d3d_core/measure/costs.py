@@ -306,7 +306,7 @@ def _profile_parts(fn, wall_ms: float, repeats: int = 3) -> dict:
     attention calls (``scaled_dot_product_attention``, kernel included, the q / output reshapes around it not).
     "other" is the rest of the unprofiled wall time — Python, the small ops (norms, RoPE, casts, KV writes,
     reshapes), dispatch — so neither the profiler's own overhead nor its per-op cost inside a labelled region is
-    counted in a part (an inclusive region time would be: stop 25 read attention as 4.3 of a 17 ms int4 step, the
+    counted in a part (an inclusive region time would be: the 2026-12-06 table of commit 5136cc1 read attention as 4.3 of a 17 ms int4 step, the
     kernel alone is under 1). Should the profiled parts exceed the wall time, they are scaled down to it."""
     from torch.profiler import ProfilerActivity, profile
 
