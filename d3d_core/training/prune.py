@@ -34,7 +34,7 @@ from ..models.loader import load_drafter
 from ..models.sources import cache_dir
 from ..schemas import checked
 from .distill import distill_dir, read_examples
-from .offline_tau import CALIB_PROMPTS, CalibSeq, greedy_continuations, held_out_set, offline_tau, paired_ratio_ci
+from .offline_tau import CALIB_PROMPTS, CalibSeq, anchors_for, greedy_continuations, held_out_set, offline_tau, paired_ratio_ci
 from .train import TrainConfig, split_holdout, train
 
 
@@ -46,8 +46,6 @@ class PrefixTau:
     half of 30 full passes. Inputs (embeddings, positions, masks) are built once per sequence."""
 
     def __init__(self, drafter, seqs: list, B: int = 8, stride: int = 4):
-        from .offline_tau import anchors_for
-
         self.d, self.B = drafter, B
         self.items = []  # per usable sequence: (x (1, N, H), cos, sin, mask, rows, truth (n, B-1))
         with torch.no_grad(), fastops.exact_drafters():
