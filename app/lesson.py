@@ -50,3 +50,43 @@ def round_sentence(r: Round, pieces: dict, mode: str = "") -> str:
         said += (f" ({len(r.held_back)} more guess{'es' if len(r.held_back) != 1 else ''} were drafted but held back by the "
                  "adaptive verify plan — not worth checking; *Verify plan: full* checks them all.)")
     return said
+
+
+# ----------------------------------------------------------------------------- presets: the lesson, then its refinements
+
+# The textbook first race, the state a first visit opens in: every round drafts, every draft is verified, on the
+# engine where a verify of 8 tokens costs about 1.4 ar steps (the regime speculative decoding was designed for), on
+# a prompt the shipped D3D drafter predicts well, with room to finish its answer (163 tokens with the bundled model).
+LESSON_PROMPT = ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. "
+                 "How much does she spend? Please reason step by step.")
+PRESETS = {
+    "lesson": dict(prompt=LESSON_PROMPT, block_size=8, hypotheses=4, max_new_tokens=176, temperature=0.0, sampling="match",
+                   seed=0, verify="full", drafting="always", engine="fp32"),
+    # refinement 1: the draft gate, on the hard case (a chat prompt whose drafts mostly miss): it skips the draft while
+    # drafting has not paid lately, so a bad drafter costs less
+    "gate": dict(prompt="What are three good habits for learning a new language? Answer briefly.", block_size=8,
+                 hypotheses=4, max_new_tokens=96, temperature=0.0, sampling="match", seed=0, verify="full",
+                 drafting="gated", engine="fp32"),
+    # refinement 2: the adaptive verify plan, on the lesson's prompt: verify only the drafts likely to pay
+    "adaptive": dict(prompt=LESSON_PROMPT, block_size=8, hypotheses=4, max_new_tokens=176, temperature=0.0,
+                     sampling="match", seed=0, verify="adaptive", drafting="always", engine="fp32"),
+    # the tuned race on the fastest engine (int4): both refinements on — the fair test of whether speculation pays here
+    "fair": dict(prompt=LESSON_PROMPT, block_size=8, hypotheses=4, max_new_tokens=176, temperature=0.0, sampling="match",
+                 seed=0, verify="adaptive", drafting="gated", engine="int4"),
+}
+PRESET_NOTES = {
+    "lesson": ("**Lesson: the textbook algorithm.** Every round drafts a block and the target verifies all of it in one "
+               "forward; the fp32 engine, where verifying 8 tokens costs about 1.4 plain steps. Press **▶ Run race**, then "
+               "open **Rounds** and step through rounds 0–3: each has a sentence saying what was drafted, accepted and kept. "
+               "The bundled target is a 135 M model and its arithmetic is often wrong — every mode prints exactly what it "
+               "would print alone (lossless means the same tokens, not better ones)."),
+    "gate": ("**Refinement 1: the draft gate** (Drafting: gated), on the hard case — a chat prompt where the drafter "
+             "mostly misses. The gate skips the draft while drafting has lately earned less than a plain step (pale "
+             "blue *no draft* rows in Rounds). Race it, then switch Drafting to *always* and race again: compare d3d-seq's speedup."),
+    "adaptive": ("**Refinement 2: the adaptive verify plan** (Verify plan: adaptive): verify only the drafts likely to "
+                 "pay — a verify of fewer tokens costs less, and drafts the drafter itself doubts are held back (pale "
+                 "yellow in Rounds). Race it and compare with the lesson's race."),
+    "fair": ("**The fair race: the fastest engine, both refinements on.** int4 makes ar about twice as fast, and on this "
+             "CPU a verify of 8 then costs about 2 plain steps (see Benchmarks): this is the honest test of whether "
+             "speculation pays here."),
+}

@@ -114,6 +114,13 @@ def set_clock(clock, state):
     return tl, summ, econ_fig, econ_tab, service.clock_assumptions(clock), state, _caption(state)
 
 
+def apply_preset(name: str) -> tuple:
+    """The Race tab's settings for one of ``lesson.PRESETS`` (every mode, the default D3D drafter unpruned) and its note."""
+    p = lesson.PRESETS[name]
+    return (p["prompt"], p["block_size"], p["hypotheses"], p["max_new_tokens"], p["temperature"], p["sampling"], p["seed"],
+            p["verify"], p["drafting"], p["engine"], list(MODES), False, lesson.PRESET_NOTES[name])
+
+
 def economics_sentences(state) -> str:
     """One sentence per drafting mode of the race: how fast it was against ar, and why; where dflash and a d3d mode
     both ran, the drafter-size confound between them."""
@@ -671,11 +678,17 @@ def build_demo() -> gr.Blocks:
                 # leaves as they are folded below
                 with gr.Row():
                     with gr.Column(scale=3):
-                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
+                        with gr.Row(elem_id="presets"):
+                            pre_lesson = gr.Button("🎓 Lesson", size="sm", elem_id="preset-lesson")
+                            pre_gate = gr.Button("+ draft gate", size="sm", elem_id="preset-gate")
+                            pre_adapt = gr.Button("+ adaptive verify", size="sm", elem_id="preset-adaptive")
+                            pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair")
+                        preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
+                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
                                     label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
-                                          value=service.default_engine(), label="Engine (every mode, ar included)", elem_id="engine",
+                                          value=lesson.PRESETS["lesson"]["engine"], label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
                         d3d_names = service.d3d_drafters(home)
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
@@ -692,16 +705,16 @@ def build_demo() -> gr.Blocks:
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
                                          info="guesses (a, t) of the verify's outcome, drafted during verify in one packed pass")
-                        max_new = gr.Slider(8, lim["max_new_max"], value=96, step=8, label="Max new tokens")
+                        max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
                 with gr.Accordion("Verify plan, drafting and sampling (the defaults suit a first race)", open=False,
                                   elem_id="race-rules"):
                     with gr.Row():
-                        verify = gr.Radio(["adaptive", "full"], value="adaptive", label="Verify plan",
+                        verify = gr.Radio(["adaptive", "full"], value=lesson.PRESETS["lesson"]["verify"], label="Verify plan",
                                           info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
                                                "full: all B − 1 drafts. verify(k) in the status = one target forward over k tokens.")
-                        drafting = gr.Radio(["gated", "always"], value="gated", label="Drafting",
+                        drafting = gr.Radio(["gated", "always"], value=lesson.PRESETS["lesson"]["drafting"], label="Drafting",
                                             info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
                                                  "Rounds). always: draft every round.")
                     with gr.Row():
@@ -899,6 +912,9 @@ def build_demo() -> gr.Blocks:
         health_json = gr.JSON(visible=False)
         race_outputs = [status, *cols, state]
         view_outputs = [tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, r_idx, tl_cap]
+        preset_out = [prompt, block, hyps, max_new, temp, sampling, seed, verify, drafting, engine, modes, use_pruned, preset_note]
+        for btn, name in ((pre_lesson, "lesson"), (pre_gate, "gate"), (pre_adapt, "adaptive"), (pre_fair, "fair")):
+            btn.click(lambda n=name: apply_preset(n), None, preset_out, api_name=f"preset_{name}", queue=False)
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine],
             race_outputs,

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from app import lesson
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
@@ -53,3 +55,40 @@ def test_the_three_kinds_of_round_and_the_skipped_one():
     assert "2 more guesses were drafted but held back" in lesson.round_sentence(held, p)
     ar = Round(0, 5, 1, [], [], [7], 0, 7, [7])
     assert lesson.round_sentence(ar, p, "ar").startswith("**ar**: one target forward")
+
+
+def test_the_lesson_preset_is_the_first_visit_and_drafts_and_verifies_every_round(toy):
+    """The page opens in the lesson (every round drafted, every draft verified); its race on the toy bundle has no
+    undrafted round and no held-back draft in any mode, and each refinement switches exactly its own rule on."""
+    from app import ui
+    from d3d_core import service
+    from d3d_core.decoding.trace import MODES
+
+    demo = ui.build_demo()
+    by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+    by_label = {b.label: b for b in demo.blocks.values() if getattr(b, "label", None)}
+    lesson_p = lesson.PRESETS["lesson"]
+    assert by_id["prompt"].value == lesson.LESSON_PROMPT and by_id["engine"].value == lesson_p["engine"]
+    assert by_label["Verify plan"].value == "full" and by_label["Drafting"].value == "always"
+    assert by_label["Max new tokens"].value == lesson_p["max_new_tokens"]
+    assert (lesson_p["drafting"], lesson_p["verify"], lesson_p["temperature"]) == ("always", "full", 0.0)
+    out = ui.apply_preset("lesson")
+    assert out[0] == lesson.LESSON_PROMPT and out[7:10] == ("full", "always", "fp32") and out[10] == list(MODES)
+    assert ui.apply_preset("gate")[7:9] == ("full", "gated") and ui.apply_preset("adaptive")[7:9] == ("adaptive", "always")
+    assert ui.apply_preset("fair")[7:10] == ("adaptive", "gated", "int4")
+    base = service.settings("ar", 4, 0.0, 24, 2, "match", 0, lesson_p["verify"], lesson_p["drafting"])
+    done = {m: tr for m, tr, fin in service.race("toy", "the cat sat on", list(MODES), base) if fin}
+    for m in MODES[1:]:
+        assert done[m].output_ids == done["ar"].output_ids, m
+        assert not any(r.skipped for r in done[m].rounds), m
+        assert all(not r.held_back and len(r.draft_ids) == 3 for r in done[m].rounds[:-1]), m
+
+
+@pytest.mark.slow
+def test_the_lesson_prompt_finishes_its_answer_on_the_real_bundle(smollm):
+    """The lesson's race ends where the answer ends (its end-of-turn token), not mid-sentence."""
+    from conftest import engine
+
+    with engine(smollm.target, lesson.PRESETS["lesson"]["engine"] if lesson.PRESETS["lesson"]["engine"] != "fp32" else "fast"):
+        tr = decode(smollm, lesson.LESSON_PROMPT, DecodeConfig(mode="ar", max_new_tokens=lesson.PRESETS["lesson"]["max_new_tokens"]))
+    assert tr.finish_reason == "eos", (len(tr.output_ids), smollm.tokenizer.decode(tr.output_ids)[-120:])
