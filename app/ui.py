@@ -896,6 +896,8 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(explain.DEPTH)
                     with gr.Tab("6 · Skipping drafter layers", id="explain-pruning"):
                         gr.Markdown(explain.PRUNING)
+                        gr.Markdown(explain.pruning_story(service.pruning_curve(home), service.pruning_curve(home, "d3d-deep")),
+                                    elem_id="pruning-story")
                         gr.Plot(figures.diagram_pruning(), label="Pruning")
                     with gr.Tab("Which τ is which", id="explain-which-tau"):
                         gr.Markdown(explain.WHICH_TAU)

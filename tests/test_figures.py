@@ -528,3 +528,24 @@ def test_one_accounting_across_screens(traces, pieces):
         grid = figures.rounds_grid_figure(tr, pieces).data[0]
         if tr.mode != "ar":
             assert sum(1 for z in grid.z if z[1] == figures.STATE_SKIPPED) == ec[tr.mode].skipped
+
+
+def test_the_pruning_story_is_told_with_the_curves_own_figures():
+    """How it works' pruning story reads its numbers from the curves it is given (no fixed figure), says when a curve
+    is missing, and gives the deep drafter's why-not only when no layer stays within 99 %."""
+    from app.explain import pruning_story
+
+    def curve(L, order, rels):
+        pts = [{"removed": k, "kept": [], "tau": 2.0 * r, "tau_rel": r, "tau_eval": 1.5 * r, "tau_eval_rel": r,
+                "tau_eval_rel_ci": [r - 0.02, min(1.0, r + 0.02)]} for k, r in enumerate(rels)]
+        return {"layers": L, "order": order, "curve": pts}
+
+    shallow = curve(8, [3, 4], [1.0, 0.8, 0.6])
+    deep = curve(30, [3, 4], [1.0, 0.93, 0.88]) | {"draft_ms": {"ms": [40.0, 38.6, 37.2], "threads": 1}}
+    s = pruning_story(shallow, deep)
+    assert "layer 3, 1 of 8" in s and "keeps 80.0% of τ" in s and "layer 3, 1 of 30" in s and "93.0% held-out" in s
+    assert "**0** layers can go within 99 %" in s and "saves about 1.4 ms of a 40 ms draft" in s and "Why the deep drafter" in s
+    kept = curve(30, [3, 4], [1.0, 0.995, 0.97])
+    s2 = pruning_story(shallow, kept)
+    assert "**1** layer can go within 99 %" in s2 and "Why the deep drafter" not in s2 and "1 of 30 go within 99 %" in s2
+    assert "no pruning curve is shipped (`python -m d3d_core.training.prune --drafter d3d-deep`)" in pruning_story(shallow, None)
