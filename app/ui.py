@@ -196,8 +196,11 @@ def _race_stream(prompt, bundle, modes, base, skip, run_id, d3d_drafter, engine=
     deadline = APP_RACE_SECONDS if seconds is None else max(1.0, float(seconds) - MARGIN_S)
     flag = runs.flag(run_id, deadline)  # in the handler's process its own flag; in a GPU worker a fresh one, clock from now
     stats, sent = {}, {}
+    # served locally, the race's time limit starts after its warm-up (a process's first race on an engine packs and
+    # warms every shape first); a GPU worker's limit is its reservation, which the warm-up spends like the rest
+    after_warm = (lambda warm_s: flag.start_clock(APP_RACE_SECONDS) if warm_s > 0 else None) if seconds is None else None
     for mode, tr, done in service.race(bundle, prompt, modes, base, skip_layers=skip, cancel=flag, d3d_drafter=d3d_drafter,
-                                       engine=engine, stats=stats):
+                                       engine=engine, stats=stats, after_warm=after_warm):
         if tr.finish_reason and not done:
             continue  # the finished trace comes again at once, marked done and with its machine load: its spans cross once
         update, sent[mode] = trace_delta(tr, sent.get(mode))

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .decoding.config import DecodeConfig
 from .decoding.engine import iter_decode, mode_threads, warm_up
@@ -240,14 +240,17 @@ def on_engine(b, engine: str):
 
 
 def race(bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers=None, cancel: Optional[threading.Event] = None,
-         d3d_drafter: str = "d3d", engine: Optional[str] = None, stats: Optional[dict] = None) -> Iterator[tuple]:
+         d3d_drafter: str = "d3d", engine: Optional[str] = None, stats: Optional[dict] = None,
+         after_warm: Optional[Callable[[float], None]] = None) -> Iterator[tuple]:
     """``engine``: fp32 or int4 (:func:`check_engine`; None: the app's default); every mode of the race runs on it.
     ``stats``: a dict that receives ``warm_s``, the seconds this race spent warming up (0 when this process had
-    already warmed everything it needs), before the first item is yielded."""
+    already warmed everything it needs), before the first item is yielded. ``after_warm``: called with those
+    seconds once the warm-up is done, before the first round (the app starts a race's time limit there: a
+    process's first race on an engine must not spend its visitor's time packing weights)."""
     engine = check_engine(engine)
     b = _bundle(bundle_name)
     with on_engine(b, engine):
-        yield from _race(b, bundle_name, prompt, modes, base, skip_layers, cancel, d3d_drafter, engine, stats)
+        yield from _race(b, bundle_name, prompt, modes, base, skip_layers, cancel, d3d_drafter, engine, stats, after_warm)
 
 
 def warms_shapes(device) -> bool:
@@ -290,7 +293,7 @@ def _warm(b, bundle_name: str, engine: str, d3d_drafter: str, d3d, modes: list, 
 
 
 def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, skip_layers, cancel, d3d_drafter: str,
-          engine: str, stats: Optional[dict] = None) -> Iterator[tuple]:
+          engine: str, stats: Optional[dict] = None, after_warm=None) -> Iterator[tuple]:
     """Race the modes on one prompt, streaming ``(mode, trace, done)`` after each mode's prefill and every round.
 
     The modes take turns, one round at a time, the turn going to the mode furthest behind in committed tokens
@@ -312,6 +315,8 @@ def _race(b, bundle_name: str, prompt: str, modes: list, base: DecodeConfig, ski
     warm_s = _warm(b, bundle_name, engine, d3d_drafter, d3d, modes, base)
     if stats is not None:
         stats["warm_s"] = warm_s
+    if after_warm is not None:
+        after_warm(warm_s)
     if skip_layers is not None:
         d3d = d3d.pruned(skip_layers)
     if cancel is not None and cancel.is_set():

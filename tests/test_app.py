@@ -179,3 +179,25 @@ def test_pruning_tab_offers_the_deep_drafters_thirty_layers(smollm):
     msg, fig, state = ui.measure_pruned("smollm2-135m", upd["choices"][:-1], state, "d3d-deep")
     assert "1 of 30 layers removed" in msg and state["skips"]["d3d-deep"] == [29], msg
     assert "d3d" not in state["skips"] or state["skips"]["d3d"] == []
+
+
+def test_the_race_time_limit_starts_after_the_warm_up(monkeypatch):
+    """A process's first race on an engine warms every shape first; served locally, that must not spend the race's
+    time limit (a first visit's lesson race on a busy CPU stopped at the limit after a long warm-up)."""
+    import time
+
+    from app import runs, ui
+    from d3d_core import service
+
+    monkeypatch.setattr(ui, "APP_RACE_SECONDS", 0.6)
+    real_warm = service._warm
+    monkeypatch.setattr(service, "_warm", lambda *a, **k: (real_warm(*a, **k), time.sleep(1.0), 1.0)[-1])
+    run_id = runs.start()
+    runs.get(run_id).start_clock(0.6)  # the handler starts it once the bundle is loaded
+    base = service.settings("ar", 4, 0.0, 8, 2, "match", 0, "full", "always")
+    items = list(ui._race_stream("the cat sat", "toy", ["ar"], base, None, run_id, "d3d"))
+    runs.finish(run_id)
+    tr = ui.merge_delta(None, items[0][1])
+    for _, upd, _, _ in items[1:]:
+        tr = ui.merge_delta(tr, upd)
+    assert len(tr.rounds) >= 1 and items[0][3].get("warm_s") == 1.0, (len(tr.rounds), items[0][3])
