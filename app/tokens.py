@@ -27,6 +27,8 @@ CSS = """
 .d3d-stats span[title], .d3d-drafter[title], .term {cursor: help;}
 .term, .d3d-drafter[title] {text-decoration: underline dotted #999;}
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
+/* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in view) */
+.d3d-text {max-height: 380px; overflow-y: auto;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
 .tok.first {background: #CC79A726; border: 1px solid #CC79A7;}
@@ -199,7 +201,7 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
         + (f'<div class="d3d-drafter"{drafter_tip(trace)}>{html.escape(drafter_line(trace))}</div>' if trace.drafter else "") +
-        f'<div class="d3d-stats">{stats}</div><div>{"".join(parts)}</div>{foot}</div>'
+        f'<div class="d3d-stats">{stats}</div><div class="d3d-text">{"".join(parts)}</div>{foot}</div>'
     )
 
 

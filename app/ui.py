@@ -375,7 +375,7 @@ def race_views(state):
     ran = [m for m in MODES if m in state["traces"]]
     pick = "d3d-async" if "d3d-async" in ran else (ran[-1] if ran else "d3d-async")
     return (tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran or list(MODES), value=pick),
-            gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=max(0, _nrounds(state, pick) - 1)), _caption(state))
+            gr.update(maximum=max(1, _nrounds(state, pick) - 1), value=0), _caption(state))  # the lesson: step from round 0
 
 
 def _nrounds(state, mode):
