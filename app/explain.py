@@ -41,7 +41,7 @@ tab where each forward's time goes.
 VERIFY_PLAN = """
 ### The verify plan: check only the drafts that pay
 A verify over more tokens costs more on a CPU, and a weak drafter's later drafts are rarely reached: the
-6th draft only counts if the first five were all right. So by default (**Verify plan: adaptive**) the
+6th draft only counts if the first five were all right. So with **Verify plan: adaptive** (the fair race's setting; the lesson verifies them all) the
 engine verifies the prefix `d₁ … d_{k-1}` that maximises *expected tokens per unit of round cost*,
 `E[tokens | k] / (T_draft + T_verify(k))` with `E[tokens | k] = 1 + Σ_{j<k} Π_{i≤j} q_i(d_i)` — the
 drafter's own probabilities as its acceptance estimate, the bundle's measured cost table (in steps) for
@@ -56,7 +56,7 @@ DRAFT_GATE = """
 ### The draft gate: skip the draft when drafting has not paid lately
 A round whose first draft is wrong pays `T_draft + T_verify(k)` for one token — more than the one step `ar`
 pays for it. On some prompts that is most rounds (on MT-Bench the shipped drafters' first draft is right
-about one time in five). So by default (**Drafting: gated**):
+about one time in five). So with **Drafting: gated** (the fair race's setting; the lesson drafts every round):
 
 - the engine tracks what its last 16 drafted rounds earned, in **tokens per step of cost**;
 - while that is below what a plain step earns (1; a little more in `d3d-async`, whose skipped round runs on
@@ -139,7 +139,7 @@ removed layer saves is drawn on the curve too: the draft time saved, in ms, from
 distributions (distillation), which kept a little more τ than the target's tokens alone.
 The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): even with
 a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 %" is only settled where
-the whole bar clears the dotted 99 % line.
+the whole bar clears the dashed grey 99 % line.
 """
 
 DEPTH = """
@@ -221,7 +221,7 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* (Race tab, under *Verify plan, drafting and sampling*) to compare the tokens/s counters |
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* (the same place) to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (*Where the time goes*) while τ saturates (*Acceptance and block size*) |
-| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the grey dashed line, right axis; from this machine's cost breakdown) |
+| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the orange dashed line, right axis; from this machine's cost breakdown) |
 | **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """

@@ -54,7 +54,7 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("int4 (the default unless D3D_ENGINE=fast): the GGUF's own 4-bit blocks through this project's row-invariant low-bit "
+ENGINE_INFO = ("The lesson runs on fp32; the ⚖ fair race (and the API's default unless D3D_ENGINE=fast) on int4. int4: the GGUF's own 4-bit blocks through this project's row-invariant low-bit "
                "kernel (torch's int4 kernel where it cannot build; the race's status says which ran), the fastest ar this app has, so "
                "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
                "speculation more to win. Every mode is lossless against ar on the same engine.")
@@ -711,7 +711,7 @@ def build_demo() -> gr.Blocks:
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
                                                  info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
-                with gr.Accordion("Verify plan, drafting and sampling (the defaults suit a first race)", open=False,
+                with gr.Accordion("Verify plan, drafting and sampling (set by the presets above: the lesson verifies every draft of every round)", open=False,
                                   elem_id="race-rules"):
                     with gr.Row():
                         verify = gr.Radio(["adaptive", "full"], value=lesson.PRESETS["lesson"]["verify"], label="Verify plan",
@@ -790,8 +790,8 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown(explain.WHICH_TAU, elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
-                            "on a small calibration set; the curve shows the precomputed greedy progression, and the dotted line "
-                            "the 99 % of the full drafter's τ that the paper keeps while removing 5 of a 36-layer drafter's layers.")
+                            "on a small calibration set; the curve shows the precomputed greedy progression, and the dashed grey line "
+                            "the 99 % of the full drafter's τ that the D3D preprint keeps while removing 5 of a 36-layer drafter's layers.")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
                                           "+ trained rank-64 adapters on the MASK slots — the paper's deep-drafter setting in small.")
