@@ -214,7 +214,7 @@ TIPS = {
     "hit rate": "d3d-async: share of rounds whose next block was already drafted during verify (a hypothesis (a, t) "
                 "matched the verify's outcome); the other rounds paid a synchronous draft",
     "speedup": "ar's time per token ÷ this mode's, in this race; in brackets the 10–90 % spread over resampled rounds",
-    "per token": "this mode's measured time per output token = one round ÷ τ",
+    "per token": "this mode's measured time per output token = decode time ÷ tokens committed (about one round ÷ τ: the last round commits fewer than a + 1 when the answer ends inside it)",
     "round": "decode time ÷ rounds",
     "verify": "the target's verify forwards (verify(k): one forward over k tokens, the anchor + k − 1 drafts)",
     "draft not hidden": "drafting the target had to wait for (d3d-async hides the drafts that run during verify)",

@@ -770,7 +770,8 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown("Next: **Economics of this run** (the tab beside this one) splits what one output token cost.",
                                     elem_id="timeline-next")
                     with gr.Tab("Economics of this run", id="timeline-economics"):
-                        gr.Markdown("**Economics of this run.** Per output token a drafting mode pays one round divided by τ; a round is a "
+                        gr.Markdown("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it committed "
+                                    "(about one round ÷ τ; the last round commits fewer than a + 1 when the answer ends inside it); a round is a "
                                     "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
                                     "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                                     "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
