@@ -282,11 +282,6 @@ def pruning_story(shallow: dict | None, deep: dict | None) -> str:
                    f"{pct(p, 'tau_rel')} of τ on the calibration prompts and {pct(p, 'tau_eval_rel')} held-out{ci(p)}; "
                    f"**{within(c)}** layer{'s' if within(c) != 1 else ''} can go within 99 % of held-out τ.")
     if first(deep) is not None:
-        ms = (deep.get("draft_ms") or {}).get("ms") or []
-        if len(ms) > 1:
-            out.append(f"Each `d3d-deep` layer removed saves about {(ms[0] - ms[-1]) / (len(ms) - 1):.1f} ms of a "
-                       f"{ms[0]:.0f} ms draft on the machine that made the curve "
-                       f"({(deep.get('draft_ms') or {}).get('threads', '?')} thread(s)).")
         if within(deep) == 0:
             out.append(
                 "Why the deep drafter does not keep its τ here: its anchor slot computes exactly the target's prediction "

@@ -433,26 +433,15 @@ def pruning_drafters(bundle) -> list:
 
 
 def _economics_note(bundle, drafter, skip, per_layer) -> str:
-    """What removing these layers does to a round on this machine: the draft ms saved and, where the shipped curve
-    timed a target step and a verify beside its drafts (one machine, one run), the break-even τ of a d3d-seq round
-    (draft + verify, in ar steps) and whether d3d-async's draft fits under the verify it overlaps."""
+    """What removing these layers saves per draft on this machine (the shipped cost breakdown's per-layer figure), and
+    what that is of the draft; "" where no per-layer figure is shipped for this drafter."""
     if not per_layer or not skip:
         return ""
-    saved = len(skip) * per_layer
-    text = f" · saves about **{saved:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine)"
-    t = (service.pruning_curve(bundle, drafter) or {}).get("draft_ms") or {}
-    ms = t.get("ms") or []
-    if not ms or not t.get("step_ms") or not t.get("verify_ms"):
-        return text
-    full, step, ver, B = ms[0], t["step_ms"], t["verify_ms"], t.get("verify_rows", 8)
-    pruned = max(0.0, full - saved)
-    text += (f" · a d3d-seq round (draft + verify({B})) costs {(pruned + ver) / step:.2f} ar steps instead of "
-             f"{(full + ver) / step:.2f}: that is its **break-even τ**, the τ above which it beats ar")
-    if pruned <= ver:
-        text += f"; d3d-async's draft ({pruned:.0f} ms) now fits under the verify({B}) it overlaps ({ver:.0f} ms)"
-    else:
-        text += f"; d3d-async's draft ({pruned:.0f} ms) still outlasts the verify({B}) it overlaps ({ver:.0f} ms)"
-    return text + f" (timed with {t.get('threads', '?')} thread(s) when the curve was made)"
+    c = service.cost_breakdown(bundle) or {}
+    th = max((r["threads"] for r in c.get("rows") or []), default=None)
+    full = next((r["wall_ms"] for r in c.get("rows") or [] if r["threads"] == th and r["forward"].startswith("d3d draft")), None)
+    share = f", {len(skip) * per_layer / full:.0%} of the draft's {full:.0f} ms" if full else ""
+    return f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine{share})"
 
 
 def load_pruning(bundle, state, drafter="d3d"):

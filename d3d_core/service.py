@@ -573,19 +573,12 @@ def offline_tau_live(bundle_name: str, skip_layers, drafter: str = "d3d") -> tup
 
 
 def drafter_layer_ms(bundle_name: str, drafter: str = "d3d") -> Optional[float]:
-    """What one layer of a D3D drafter costs per draft on this machine (ms). The default drafter: from the shipped
-    cost breakdown (the draft's wall time less its LM head, over the layers it ran, all threads). Another
-    (d3d-deep): from its shipped pruning curve's draft timings (ms saved per layer removed, least squares over the
-    curve's points). None if neither is shipped."""
+    """What one layer of the default D3D drafter costs per draft on this machine (ms): from the shipped cost breakdown
+    (the draft's wall time less its LM head, over the layers it ran, all threads); None if not shipped, and None for
+    another drafter (d3d-deep): its pruning curve times a draft pass outside the decode engine, which is not what a
+    race pays, so no per-layer figure is claimed for it."""
     if drafter != "d3d":
-        c = pruning_curve(bundle_name, drafter) or {}
-        ms, pts = (c.get("draft_ms") or {}).get("ms") or [], c.get("curve") or []
-        if len(ms) < 2 or len(ms) != len(pts):
-            return None
-        xs = [p["removed"] for p in pts]
-        mx, my = sum(xs) / len(xs), sum(ms) / len(ms)
-        den = sum((x - mx) ** 2 for x in xs)
-        return max(0.0, -sum((x - mx) * (y - my) for x, y in zip(xs, ms)) / den) if den else None
+        return None
     c = cost_breakdown(bundle_name)
     if not c or not c.get("rows"):
         return None

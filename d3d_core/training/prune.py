@@ -218,8 +218,9 @@ def draft_ms_by_layers(drafter, kept_lists: list, B: int = 8, context: int = 256
     def med(t):
         return round(sorted(t)[len(t) // 2], 2)
 
-    out = {"ms": [med(t) for t in times], "what": f"one draft pass: {new_tokens} new context tokens + a block of {B} "
-           f"over {context} cached, and the head; median of {reps}", "threads": torch.get_num_threads(),
+    out = {"ms": [med(t) for t in times], "what": f"one draft pass (Drafter.forward_packed, outside the decode engine): "
+           f"{new_tokens} new context tokens + a block of {B} over {context} cached, and the head; median of {reps}",
+           "threads": torch.get_num_threads(),
            "load_average": round(os.getloadavg()[0], 2)}
     if tc is not None:
         out.update(step_ms=med(step), verify_ms=med(verify), verify_rows=B, engine=target.engine)
