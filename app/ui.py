@@ -127,7 +127,7 @@ def economics_sentences(state) -> str:
     trs = _traces(state)
     load = race_load(trs)
     if load is not None and load.busy:  # a busy race's ratios are noise: greyed, no cost story, no mode named faster
-        lines = [f"- <span style='color:#888'>{e.mode}: read {e.speedup_label()} the speed of ar — not a reading "
+        lines = [f"- <span style='color:#888'>{e.mode}: read {e.speedup_label()} the speed of ar (10–90 % spread over its rounds) — not a reading "
                  f"(the machine was busy); τ = {e.tau:.2f} stands (a token count, not a timing)</span>"
                  for e in race_economics(trs) if e.mode != "ar" and e.rounds]
         return "\n".join(lines)
@@ -140,6 +140,14 @@ def _caption(state) -> str:
     """The Timeline's caption: why each mode's target waited, from the run's own numbers (on the chosen clock)."""
     timed, projected = _clocked(state or empty_state()) if _traces(state or empty_state()) else ([], None)
     return figures.timeline_caption(timed, projected)
+
+
+# where a round's block came from, in words (Round.draft_source)
+SOURCE_WORDS = {
+    "draft": "drafted after the previous verify (the drafter and the target took turns)",
+    "packed_draft": "drafted during the previous verify, in d3d-async's packed pass (a hit: ready when the verify returned)",
+    "sync_draft": "drafted after the previous verify because no packed hypothesis matched it (a miss: the target waited)",
+}
 
 
 def _rounds_view(state, mode, idx):
@@ -158,7 +166,7 @@ def _rounds_view(state, mode, idx):
             f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
-           + (f" · drafted from: `{r.draft_source}`" if r.draft_source else ""))
+           + (f" · {SOURCE_WORDS.get(r.draft_source, r.draft_source)}" if r.draft_source else ""))
     if idx == n - 1 and r.hypotheses:
         cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
                 "and do not count in the hit rate")

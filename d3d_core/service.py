@@ -601,7 +601,7 @@ def pruning_layers(bundle_name: str, drafter: str = "d3d") -> list:
     src = list(cfg.init_layers) or [None] * cfg.num_layers
     if cfg.adapter_rank:
         return [f"L{i} (target layer {s}, shared)" for i, s in enumerate(src)]
-    return [f"L{i} (from target layer {s})" if s is not None else f"L{i}" for i, s in enumerate(src)]
+    return [f"L{i} (initialised from target layer {s})" if s is not None else f"L{i}" for i, s in enumerate(src)]
 
 
 def default_skip(bundle_name: str, drafter: str = "d3d") -> list:

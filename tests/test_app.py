@@ -120,7 +120,7 @@ def test_download_rounds_and_upload_round_trip(client, tmp_path):
 
 def test_pruning_endpoints(client):
     client.predict("toy", api_name="/pruning_curve")
-    msg, fig = client.predict("toy", ["L1 (from target layer 3)"], api_name="/measure_pruned")
+    msg, fig = client.predict("toy", ["L1 (initialised from target layer 3)"], api_name="/measure_pruned")
     assert "offline τ" in msg and "1 of 2 layers removed" in msg
     msg, _ = client.predict("toy", [], api_name="/measure_pruned")
     assert "keep at least one" in msg

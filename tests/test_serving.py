@@ -100,7 +100,7 @@ def test_a_gpu_only_bundle_is_refused_on_cpu_before_any_load(no_load, tmp_path):
     assert status.startswith("**Error:**") and "CUDA GPU only" in status and "Traceback" not in status
     _, text, *_ = ui.load_pruning("qwen3-8b", ui.empty_state())
     assert text.startswith("**Error:**") and "CUDA GPU only" in text
-    text, *_ = ui.measure_pruned("qwen3-8b", ["L0 (from target layer 0)"], ui.empty_state())
+    text, *_ = ui.measure_pruned("qwen3-8b", ["L0 (initialised from target layer 0)"], ui.empty_state())
     assert "CUDA GPU only" in text
     # an uploaded trace naming the GPU bundle shows ids instead of loading it
     from d3d_core.decoding.trace import traces_from_json

@@ -337,7 +337,7 @@ def test_no_bundle_is_loaded_from_a_request_on_zerogpu(zerogpu, monkeypatch):
     out = list(ui.run_race(*race_args().values(), ui.empty_state()))
     status = out[-1][0]
     assert status.startswith("**Error:** bundle 'toy' is not loaded, and this Space loads its bundles at start-up only"), status
-    text, *_ = ui.measure_pruned("toy", ["L0 (from target layer 0)"], ui.empty_state())
+    text, *_ = ui.measure_pruned("toy", ["L0 (initialised from target layer 0)"], ui.empty_state())
     assert "loads its bundles at start-up only" in text
     assert not torch.cuda.is_initialized()
 
