@@ -7,10 +7,12 @@ drafter and the shipped pruning curve / bench sweep.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from .decoding.config import DecodeConfig
@@ -178,6 +180,17 @@ _WARM: set = set()
 _WARM_LOCK = threading.Lock()
 
 
+def _drafter_cfg(b, name: str) -> DrafterConfig:
+    """Drafter ``name``'s config on loaded bundle ``b`` without loading a further drafter (its shipped config says: a
+    request thread on ZeroGPU must not load weights)."""
+    if name in b.drafters:
+        return b.drafters[name].cfg
+    path = b.extra.get(name)
+    if path is not None:
+        return DrafterConfig.from_json(json.loads((Path(path) / "config.json").read_text()))
+    return b.drafter(name).cfg
+
+
 def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=None) -> None:
     """ValueError unless the bundle (loaded here if it is not yet) has that D3D drafter and ``skip_layers`` (when
     given) are layers of it, leaving at least one — asked before a race starts, so nothing is refused inside a GPU window."""
@@ -186,7 +199,7 @@ def check_race_drafter(bundle_name: str, d3d_drafter: str = "d3d", skip_layers=N
     if d3d_drafter not in names:
         raise ValueError(f"bundle {bundle_name!r} has no D3D drafter {str(d3d_drafter)[:40]!r}; it has: {', '.join(names)}")
     if skip_layers is not None:
-        n = b.drafter(d3d_drafter).cfg.num_layers
+        n = _drafter_cfg(b, d3d_drafter).num_layers
         bad = [s for s in skip_layers if not isinstance(s, int) or not 0 <= s < n]
         if bad:
             raise ValueError(f"the {d3d_drafter} drafter has layers 0..{n - 1}; cannot skip {bad[:4]}")
@@ -552,7 +565,7 @@ def live_calibration(bundle_name: str, drafter: str = "d3d") -> list:
     that of such a drafter on all of them (d3d-deep, 30 layers: 3 of 12), so a toggle answers in about the same time."""
     b = _bundle(bundle_name)
     seqs = calibration_set(b)
-    n = b.drafter(drafter).cfg.num_layers
+    n = _drafter_cfg(b, drafter).num_layers
     if n <= LIVE_TAU_LAYERS:
         return seqs
     return seqs[: max(2, round(len(seqs) * LIVE_TAU_LAYERS / n))]
@@ -597,7 +610,7 @@ def calibration_size(bundle_name: str, drafter: str = "d3d") -> int:
 def pruning_layers(bundle_name: str, drafter: str = "d3d") -> list:
     """The Pruning tab's toggles for one D3D drafter: one label per layer, naming the target layer it came from
     (the 8-layer drafter was initialised from some) or shares (d3d-deep's are the target's own)."""
-    cfg = _bundle(bundle_name).drafter(drafter).cfg
+    cfg = _drafter_cfg(_bundle(bundle_name), drafter)
     src = list(cfg.init_layers) or [None] * cfg.num_layers
     if cfg.adapter_rank:
         return [f"L{i} (target layer {s}, shared)" for i, s in enumerate(src)]
@@ -606,7 +619,7 @@ def pruning_layers(bundle_name: str, drafter: str = "d3d") -> list:
 
 def default_skip(bundle_name: str, drafter: str = "d3d") -> list:
     """The layers a shipped drafter already skips (a shipped pruned default)."""
-    return list(_bundle(bundle_name).drafter(drafter).cfg.skip_layers)
+    return list(_drafter_cfg(_bundle(bundle_name), drafter).skip_layers)
 
 
 __all__ = ["offline_tau_live", "calibration_size", "live_calibration", "pruning_layers", "default_skip", "drafter_layer_ms", "bench_result", "cost_profiles", "gpu_profile_note", "project",
