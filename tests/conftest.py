@@ -77,6 +77,24 @@ def engine(target, name):
         target.engine_request = old
 
 
+def assert_verify_rows_are_steps(t, a, b, seq, pos: int, widths) -> int:
+    """What lossless rests on: from position ``pos`` in two caches ``a`` and ``b`` of target ``t`` (both prefilled
+    with ``seq[:pos]``), each verify of B rows in ``a`` gives every row exactly the logits B one-row steps give it in
+    ``b``; after each, both roll back to B // 2 + 1 kept rows. Returns the position reached."""
+    import torch
+
+    for B in widths:
+        blk = seq[pos : pos + B]
+        v = t.verify(a, blk).logits
+        s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
+        assert torch.equal(v, s), (pos, B)
+        keep = B // 2 + 1
+        t.rollback(a, B - keep)
+        t.rollback(b, B - keep)
+        pos += keep
+    return pos
+
+
 TRAIN_PROMPTS = ["what is two plus two?", "tell me a story", "count to ten", "hello there", "abc abc", "name a color"]
 
 

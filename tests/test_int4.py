@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import assert_all_modes_equal_ar, engine
+from conftest import assert_all_modes_equal_ar, assert_verify_rows_are_steps, engine
 
 from d3d_core.decoding.config import DecodeConfig
 from d3d_core.decoding.engine import decode
@@ -92,16 +92,7 @@ def test_int4_verify_rows_equal_one_row_steps_bitwise(toy):
         a, b = t.new_cache(), t.new_cache()
         t.prefill(a, seq[:50])
         t.prefill(b, seq[:50])
-        pos = 50
-        for B in (8, 16, 3, 8, 16, 16, 5, 8):
-            blk = seq[pos : pos + B]
-            v = t.verify(a, blk).logits
-            s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
-            assert torch.equal(v, s)
-            keep = B // 2 + 1
-            t.rollback(a, B - keep)
-            t.rollback(b, B - keep)
-            pos += keep
+        assert_verify_rows_are_steps(t, a, b, seq, 50, (8, 16, 3, 8, 16, 16, 5, 8))
 
 
 def test_int4_engine_matches_a_dequantised_fp32_reference_on_toy(toy):
@@ -235,16 +226,7 @@ def test_real_bundle_torch_kernel_verify_rows_are_one_row_steps_bitwise(smollm_o
         assert a.int4.kernel == "torch"
         t.prefill(a, seq[:55])
         t.prefill(b, seq[:55])
-        pos = 55
-        for B in (16, 8, 1, 3, 16, 5, 12, 9, 16, 7, 13, 16, 16, 16, 16, 16):
-            blk = seq[pos : pos + B]
-            v = t.verify(a, blk).logits
-            s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
-            assert torch.equal(v, s), (pos, B)
-            keep = B // 2 + 1
-            t.rollback(a, B - keep)
-            t.rollback(b, B - keep)
-            pos += keep
+        pos = assert_verify_rows_are_steps(t, a, b, seq, 55, (16, 8, 1, 3, 16, 5, 12, 9, 16, 7, 13, 16, 16, 16, 16, 16))
         assert pos > 2 * 64 + 8  # crossed two key-bucket edges
 
 

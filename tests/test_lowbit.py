@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import engine
+from conftest import assert_verify_rows_are_steps, engine
 
 from d3d_core import limits
 from d3d_core.models import int4, lowbit
@@ -202,16 +202,7 @@ def test_real_bundle_verify_rows_are_one_row_steps_bitwise(smollm):
             pytest.skip(f"the int4 engine runs {t.int4_info().get('kernel', 'no kernel')} here")
         t.prefill(a, seq[:55])
         t.prefill(b, seq[:55])
-        pos, widths = 55, (16, 8, 1, 3, 16, 5, 12, 9, 2, 16, 7, 4, 13, 6, 11, 10, 14, 15)
-        for B in widths:
-            blk = seq[pos : pos + B]
-            v = t.verify(a, blk).logits
-            s = torch.cat([t.verify(b, blk[i : i + 1]).logits for i in range(B)])
-            assert torch.equal(v, s), (pos, B)
-            keep = B // 2 + 1
-            t.rollback(a, B - keep)
-            t.rollback(b, B - keep)
-            pos += keep
+        pos = assert_verify_rows_are_steps(t, a, b, seq, 55, (16, 8, 1, 3, 16, 5, 12, 9, 2, 16, 7, 4, 13, 6, 11, 10, 14, 15))
         assert pos > 2 * 64 + 8  # crossed both edges
 
 
