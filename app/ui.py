@@ -445,9 +445,7 @@ def _economics_note(bundle, drafter, skip, per_layer) -> str:
     what that is of the draft; "" where no per-layer figure is shipped for this drafter."""
     if not per_layer or not skip:
         return ""
-    c = service.cost_breakdown(bundle) or {}
-    th = max((r["threads"] for r in c.get("rows") or []), default=None)
-    full = next((r["wall_ms"] for r in c.get("rows") or [] if r["threads"] == th and r["forward"].startswith("d3d draft")), None)
+    full = (service.draft_cost_row(bundle) or {}).get("wall_ms")
     share = f", {len(skip) * per_layer / full:.0%} of the draft's {full:.0f} ms" if full else ""
     return f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine{share})"
 

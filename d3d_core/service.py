@@ -585,6 +585,13 @@ def offline_tau_live(bundle_name: str, skip_layers, drafter: str = "d3d") -> tup
     return tau, full
 
 
+def draft_cost_row(bundle_name: str) -> Optional[dict]:
+    """The shipped cost breakdown's row for the default D3D drafter's draft at its largest thread count, or None."""
+    rows = (cost_breakdown(bundle_name) or {}).get("rows") or []
+    th = max((r["threads"] for r in rows), default=None)
+    return next((r for r in rows if r["threads"] == th and r["forward"].startswith("d3d draft")), None)
+
+
 def drafter_layer_ms(bundle_name: str, drafter: str = "d3d") -> Optional[float]:
     """What one layer of the default D3D drafter costs per draft on this machine (ms): from the shipped cost breakdown
     (the draft's wall time less its LM head, over the layers it ran, all threads); None if not shipped, and None for
@@ -592,11 +599,7 @@ def drafter_layer_ms(bundle_name: str, drafter: str = "d3d") -> Optional[float]:
     race pays, so no per-layer figure is claimed for it."""
     if drafter != "d3d":
         return None
-    c = cost_breakdown(bundle_name)
-    if not c or not c.get("rows"):
-        return None
-    th = max(r["threads"] for r in c["rows"])
-    r = next((r for r in c["rows"] if r["threads"] == th and r["forward"].startswith("d3d draft")), None)
+    r = draft_cost_row(bundle_name)
     n = bundle_summary(bundle_name)["d3d_active_layers"] if r else None
     if not r or not n:
         return None
