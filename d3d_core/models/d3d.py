@@ -101,17 +101,22 @@ class D3DDrafter(Drafter):
         C = ctx_ids.shape[0]
         x, pos, mask, need = self._inputs(T, ctx_ids, blocks, block_len, cache_prefix)
         cos, sin = self.shared.rope(pos, x, need)
-        rows = None
-        if self.frozen_base:  # the adapters act on MASK slots: every block row but its anchor
-            m = torch.zeros(len(blocks), block_len, 1, dtype=x.dtype, device=x.device)
-            m[:, 1:] = 1
-            rows = torch.cat([x.new_zeros(C, 1), m.reshape(-1, 1)])[None]  # (1, N, 1)
+        rows = self.adapter_rows(x, C, len(blocks), block_len)
         new_kv = [None] * self.cfg.num_layers
         for i in self.active_layers():
             x, (k, v) = self.layers[i](x, cos, sin, cache.get(i), mask, rows)
             new_kv[i] = (k[:, :, :C], v[:, :, :C])
         h = x[0]
         return h[:C], h[C:].view(len(blocks), block_len, h.shape[-1]), new_kv
+
+    def adapter_rows(self, x: torch.Tensor, C: int, nb: int, block_len: int):
+        """(1, N, 1) 1 on the rows an adapter drafter's adapters act on (the MASK slots: every block row but its
+        anchor), 0 on the context rows and anchors; None for a drafter without adapters."""
+        if not self.frozen_base:
+            return None
+        m = torch.zeros(nb, block_len, 1, dtype=x.dtype, device=x.device)
+        m[:, 1:] = 1
+        return torch.cat([x.new_zeros(C, 1), m.reshape(-1, 1)])[None]
 
     @staticmethod
     def commit_kv(cache: KVCache, new_kv: list, n: int) -> None:

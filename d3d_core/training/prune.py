@@ -58,11 +58,7 @@ class PrefixTau:
                 blocks = [(ids[p], p) for p in anchors]
                 x, pos, mask, need = drafter._inputs(0, ctx, blocks, B + 1)
                 cos, sin = drafter.shared.rope(pos, x, need)
-                rows = None
-                if drafter.frozen_base:  # as forward_packed: adapters act on every block row but its anchor
-                    m = torch.zeros(len(blocks), B + 1, 1, dtype=x.dtype, device=x.device)
-                    m[:, 1:] = 1
-                    rows = torch.cat([x.new_zeros(len(ids), 1), m.reshape(-1, 1)])[None]
+                rows = drafter.adapter_rows(x, len(ids), len(blocks), B + 1)  # as forward_packed
                 truth = torch.tensor([[ids[p + k] for k in range(1, B)] for p in anchors])
                 self.items.append((x, cos, sin, mask, rows, truth, len(ids), len(blocks)))
         if not self.items:
