@@ -39,6 +39,17 @@ CSS = """
 .d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
 .info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
+/* the presenter view (the 🖥 checkbox, or ?presenter in the address): type a back row can read on a projector */
+body.d3d-presenter .gradio-container {--text-xxs: 13px; --text-xs: 15px; --text-sm: 17px; --text-md: 19px; --text-lg: 21px;
+    --text-xl: 26px; --text-xxl: 30px; --block-label-text-size: 17px; --block-info-text-size: 16px; --body-text-size: 19px;
+    --prose-text-size: 19px; --section-header-text-size: 19px; --input-text-size: 18px; --button-small-text-size: 16px;}
+body.d3d-presenter .prose, body.d3d-presenter .md {font-size: 19px !important; line-height: 1.5 !important;}
+body.d3d-presenter .d3d-col {font-size: 20px; line-height: 1.8;}
+body.d3d-presenter .d3d-head {font-size: 22px;}
+body.d3d-presenter .d3d-stats, body.d3d-presenter .d3d-drafter, body.d3d-presenter .d3d-done, body.d3d-presenter .d3d-legend {font-size: 17px;}
+body.d3d-presenter .tok.rej {font-size: 17px;}
+body.d3d-presenter .d3d-text {max-height: 520px;}
+body.d3d-presenter .info-text {font-size: 17px !important;}
 </style>
 """
 

@@ -58,6 +58,8 @@ ENGINE_INFO = ("The lesson runs on fp32; the ⚖ fair race (and the API's defaul
                "kernel (torch's int4 kernel where it cannot build; the race's status says which ran), the fastest ar this app has, so "
                "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
                "speculation more to win. Every mode is lossless against ar on the same engine.")
+# the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
+PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
 
 
@@ -635,6 +637,43 @@ def upload_traces(file, state):
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
+def recorded_note(meta: dict) -> str:
+    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's)."""
+    where = f"a {meta['cores']}-core {meta['cpu']}" if meta.get("cores") and meta.get("cpu") else (meta.get("cpu") or "another machine")
+    spread = (meta.get("spread") or {}).get("d3d-seq")
+    runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq's spread over them: "
+                 f"{spread:.0%})") if meta.get("runs") and len(meta["runs"]) > 1 and spread is not None else ""
+    return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
+            f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
+            "machine's, not this one's; every tab now shows it. Press **▶ Run race** to race live here.")
+
+
+def open_recorded(bundle, state):
+    """The class demo: show the race shipped for ``bundle`` (``service.recorded_race``) in every tab, as if just run."""
+    state = dict(state or empty_state())
+    no = gr.skip()
+    if state.get("run"):
+        return ("A race is running: press **■ Stop** first, then open the recorded race.", *[no] * 4, state)
+    try:
+        got = service.recorded_race(service.check_bundle(bundle), "lesson")
+    except ValueError as e:
+        gr.Warning(str(e))
+        return (f"**Could not open the recorded race:** {e}", *[no] * 4, state)
+    if got is None:
+        return (f"No recorded race ships with bundle `{bundle}`: press **▶ Run race** to race it live.", *[no] * 4, state)
+    trs, meta = got
+    state.update(bundle=trs[0].bundle, traces={t.mode: t for t in trs}, run=None)
+    state["pieces"] = service.pieces(trs[0].bundle, trs)
+    status = recorded_note(meta)
+    load = race_load(trs)
+    if load is not None:
+        status += "\n\n" + load.status()
+    why = economics_sentences(state)
+    if why:
+        status += "\n\n" + why
+    return (status, *_columns(state), state)
+
+
 # ----------------------------------------------------------------------------- layout
 
 
@@ -681,6 +720,9 @@ def build_demo() -> gr.Blocks:
                             pre_gate = gr.Button("+ draft gate", size="sm", elem_id="preset-gate")
                             pre_adapt = gr.Button("+ adaptive verify", size="sm", elem_id="preset-adaptive")
                             pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair")
+                            recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded")
+                            presenter = gr.Checkbox(False, label="🖥 Presenter view (larger type)", elem_id="presenter",
+                                                    container=False, min_width=120)
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
                         prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
@@ -916,6 +958,13 @@ def build_demo() -> gr.Blocks:
         preset_out = [prompt, block, hyps, max_new, temp, sampling, seed, verify, drafting, engine, modes, use_pruned, preset_note]
         for btn, name in ((pre_lesson, "lesson"), (pre_gate, "gate"), (pre_adapt, "adaptive"), (pre_fair, "fair")):
             btn.click(lambda n=name: apply_preset(n), None, preset_out, api_name=f"preset_{name}", queue=False)
+        # the class demo: the lesson's settings, then the race recorded with them, shown in every tab
+        rec_ev = recorded_btn.click(lambda: apply_preset("lesson"), None, preset_out, api_name=False, queue=False)
+        rec_ev = rec_ev.then(open_recorded, [bundle, state], race_outputs, api_name="recorded_race")
+        rec_ev = rec_ev.then(race_views, [state], view_outputs, api_name=False)
+        rec_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
+        presenter.change(None, [presenter], None, js=PRESENTER_JS, api_name=False, queue=False)
+        demo.load(None, None, [presenter], js="() => new URLSearchParams(window.location.search).has('presenter')", api_name=False)
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine],
             race_outputs,

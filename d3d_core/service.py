@@ -382,6 +382,22 @@ def read_traces(data) -> list:
     return traces_from_json(data)
 
 
+RACES_DIR = _bundles.ASSETS / "races"  # the class demo's recorded races (scripts/record_race.py)
+
+
+def recorded_race(bundle_name: str, preset: str = "lesson") -> Optional[tuple]:
+    """The race recorded for the class demo (``scripts/record_race.py --out assets/races/<bundle>-<preset>.json``):
+    (its Traces, where and when it ran: ``recorded``), or None when this bundle ships none. A shipped file that no
+    longer reads (an older trace version) is a ValueError with the reason, said to the visitor."""
+    p = RACES_DIR / f"{bundle_name}-{preset}.json"
+    if not p.is_file():
+        return None
+    data = p.read_bytes()
+    trs = read_traces(data)
+    meta = json.loads(data).get("recorded") or {}
+    return trs, meta if isinstance(meta, dict) else {}
+
+
 def _asset_json(*parts, schema: Optional[str] = None) -> Optional[dict]:
     """A JSON file shipped under assets/, or None when absent or unreadable; checked against
     ``schemas.SCHEMAS[schema]`` when given (a shipped file that does not fit is an error, said at once)."""

@@ -3,6 +3,10 @@
     .venv/bin/python scripts/repeat_tests.py --group soak --runs 10 -- tests -k soak
     .venv/bin/python scripts/repeat_tests.py --summary            # markdown table of every logged group
 
+``--root DIR`` runs the selection in another checkout (a git worktree at a fixed commit, so the runs test one commit
+while this one changes); ``--first-run N`` numbers a resumed group's runs on from N; ``--pause-file PATH`` waits
+before each run while PATH exists (a gap for a quiet measurement without stopping a run half-way).
+
 Each run appends one JSON line to ``docs/flaky/runs.jsonl``: the group, the selection, the commit, the CPU, the
 load average before and after, pass/fail/skip counts and the ids of failed tests (from pytest's junit XML). A group
 stops at the first failure only with ``--stop-on-failure``; by default it runs all N so the count is honest.
@@ -36,9 +40,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+def commit(root: Path = ROOT) -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                            capture_output=True, text=True).stdout.strip()
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
@@ -62,13 +66,13 @@ def junit_counts(path: Path) -> dict:
     return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures, "slowest": slowest}
 
 
-def run_once(group: str, args: list[str], index: int, runs: int) -> dict:
+def run_once(group: str, args: list[str], index: int, runs: int, root: Path = ROOT) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         load0 = os.getloadavg()
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               f"--junitxml={xml}", *args], cwd=ROOT,
+                               f"--junitxml={xml}", *args], cwd=root,
                               env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
                                    "TRANSFORMERS_OFFLINE": "1"},
                               capture_output=True, text=True)
@@ -76,7 +80,7 @@ def run_once(group: str, args: list[str], index: int, runs: int) -> dict:
         counts = junit_counts(xml) if xml.exists() else {"passed": 0, "failed": 0, "skipped": 0,
                                                          "failures": [f"pytest exited {proc.returncode}"]}
     rec = {"group": group, "selection": " ".join(args), "run": index, "of": runs,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "commit": commit(), "cpu": cpu_name(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "commit": commit(root), "cpu": cpu_name(),
            "cores": os.cpu_count(), "load_before": round(load0[0], 2), "load_after": round(os.getloadavg()[0], 2),
            "seconds": round(seconds, 1), "exit": proc.returncode, **counts}
     if proc.returncode not in (0, 5):
@@ -113,6 +117,9 @@ def main() -> int:
     ap.add_argument("--stop-on-failure", action="store_true")
     ap.add_argument("--log", type=Path, default=LOG)
     ap.add_argument("--summary", action="store_true", help="print the markdown table of the log and exit")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to test (default: this one)")
+    ap.add_argument("--first-run", type=int, default=1, help="the number of the first run (a resumed group)")
+    ap.add_argument("--pause-file", type=Path, default=None, help="wait before each run while this file exists")
     ap.add_argument("pytest_args", nargs="*", help="after --: the pytest selection")
     a = ap.parse_args()
     if a.summary:
@@ -125,8 +132,10 @@ def main() -> int:
         ap.error("give --group NAME and a pytest selection after --")
     a.log.parent.mkdir(parents=True, exist_ok=True)
     bad = 0
-    for i in range(1, a.runs + 1):
-        rec = run_once(a.group, a.pytest_args, i, a.runs)
+    for i in range(a.first_run, a.runs + 1):
+        while a.pause_file is not None and a.pause_file.exists():
+            time.sleep(5)
+        rec = run_once(a.group, a.pytest_args, i, a.runs, a.root.resolve())
         with a.log.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         ok = rec["failed"] == 0 and rec["exit"] in (0, 5)

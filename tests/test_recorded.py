@@ -1,0 +1,111 @@
+"""The class demo's recorded race: scripts/record_race.py races a preset several times and keeps the median race;
+the Race tab's "📼 Recorded race" opens the shipped one in every tab; the presenter view enlarges the type."""
+
+import json
+import runpy
+
+import pytest
+
+from app import lesson, ui
+from d3d_core import service
+from d3d_core.decoding.trace import MODES
+from d3d_core.measure.reading import race_load
+
+from conftest import ROOT
+
+record_race = runpy.run_path(str(ROOT / "scripts" / "record_race.py"), run_name="record_race")
+
+
+@pytest.fixture(scope="module")
+def toy_record():
+    """Two lesson races on the toy bundle, 24 new tokens each: the dict record_race.py writes."""
+    return record_race["record"]("toy", "lesson", 2, list(MODES), max_new_tokens=24, log=lambda *_: None)
+
+
+def test_record_keeps_the_median_race_and_says_where_it_ran(toy_record):
+    rec = toy_record
+    meta = rec["recorded"]
+    trs = service.read_traces(json.dumps(rec))
+    assert [t.mode for t in trs] == list(MODES)
+    assert all(t.output_ids == trs[0].output_ids for t in trs)  # lossless, whatever the timings
+    assert trs[0].prompt_text == lesson.LESSON_PROMPT and trs[1].config["max_new_tokens"] == 24
+    assert (trs[1].config["verify"], trs[1].config["drafting"]) == ("full", "always")
+    assert meta["preset"] == "lesson" and meta["bundle"] == "toy" and len(meta["runs"]) == 2
+    assert meta["cpu"] and meta["commit"] and meta["date"] and "--max-new-tokens 24" in meta["command"]
+    seq = [run["modes"]["d3d-seq"]["speedup"] for run in meta["runs"]]
+    assert seq[meta["kept"]] == min(seq)  # of two, the lower median
+    assert meta["spread"]["d3d-seq"] == pytest.approx((max(seq) - min(seq)) / (sum(seq) / 2))
+    for run in meta["runs"]:
+        for m, r in run["modes"].items():
+            assert r["reading"] == (r["why"] == "") and m != "ar"
+    table = record_race["table"](meta)
+    assert table.count("\n") == 4 and "← kept" in table and "spread" in table
+
+
+def test_spread_of_speedups():
+    spread = record_race["spread"]
+    assert spread([1.0, 1.1, 1.2]) == pytest.approx(0.2 / 1.1)
+    assert spread([1.0]) is None and spread([None, 1.0]) is None
+
+
+def test_the_recorded_race_opens_in_every_tab(toy_record, tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "RACES_DIR", tmp_path)
+    state = ui.empty_state()
+    out = ui.open_recorded("toy", state)
+    assert "No recorded race ships with bundle `toy`" in out[0] and out[-1]["traces"] == {}
+    (tmp_path / "toy-lesson.json").write_text(json.dumps(toy_record), encoding="utf-8")
+    out = ui.open_recorded("toy", state)
+    status, cols, st = out[0], out[1:5], out[-1]
+    meta = toy_record["recorded"]
+    assert status.startswith("📼 **Recorded race**") and meta["date"] in status and meta["commit"] in status
+    assert "not this one's" in status and "median of 2 identical races" in status
+    assert set(st["traces"]) == set(MODES) and st["pieces"] and st["run"] is None
+    assert all("d3d-col" in c for c in cols)
+    load = race_load(list(st["traces"].values()))
+    assert load is None or load.status().split(":")[0] in status
+    views = ui.race_views(st)
+    assert views[6]["value"] == 0  # Rounds opens at round 0, like after a live race
+    # a race in flight is not replaced, and a file that no longer reads is said, not raised
+    assert "press **■ Stop** first" in ui.open_recorded("toy", dict(st, run="x"))[0]
+    (tmp_path / "toy-lesson.json").write_text('{"traces": [{"mode": "nope"}]}', encoding="utf-8")
+    assert ui.open_recorded("toy", state)[0].startswith("**Could not open the recorded race:**")
+
+
+def test_the_shipped_recorded_race_is_a_quiet_lesson_race_of_every_mode():
+    """The home bundle ships a recorded lesson race: every mode, the lesson's settings, recorded on a quiet machine,
+    every mode's tokens ar's, each drafting mode with a reading."""
+    home = service.app_bundle()
+    got = service.recorded_race(home, "lesson")
+    assert got is not None, f"assets/races/{home}-lesson.json is missing: scripts/record_race.py --out writes it"
+    trs, meta = got
+    p = lesson.PRESETS["lesson"]
+    assert [t.mode for t in trs] == list(MODES) and meta["preset"] == "lesson"
+    for t in trs:
+        assert t.prompt_text == p["prompt"] and t.output_ids == trs[0].output_ids and t.finish_reason == "eos"
+        assert (t.config["block_size"], t.config["verify"], t.config["drafting"]) == (p["block_size"], p["verify"], p["drafting"])
+    assert not race_load(trs).busy and not any(run["busy"] for run in meta["runs"])
+    assert all(meta["runs"][meta["kept"]]["modes"][m]["reading"] for m in MODES[1:])
+
+
+@pytest.mark.slow
+def test_the_shipped_recorded_race_is_what_the_bundle_prints_today(smollm):
+    """The recorded race is not stale: ar on today's engine prints exactly its tokens."""
+    from conftest import engine
+    from d3d_core.decoding.config import DecodeConfig
+    from d3d_core.decoding.engine import decode
+
+    trs, _ = service.recorded_race("smollm2-135m", "lesson")
+    with engine(smollm.target, "fast"):
+        tr = decode(smollm, trs[0].prompt_text, DecodeConfig(mode="ar", max_new_tokens=trs[0].config["max_new_tokens"]))
+    assert tr.output_ids == trs[0].output_ids
+
+
+def test_presenter_view_is_wired():
+    demo = ui.build_demo()
+    by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+    assert by_id["presenter"].value is False and "preset-recorded" in by_id
+    js = [getattr(fn, "js", None) for fn in demo.fns.values()]
+    assert ui.PRESENTER_JS in js and any(j and "presenter" in j and "URLSearchParams" in j for j in js)
+    from app.tokens import CSS
+
+    assert "body.d3d-presenter .d3d-col" in CSS and "body.d3d-presenter .gradio-container" in CSS
