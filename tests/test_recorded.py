@@ -5,13 +5,12 @@ import json
 import runpy
 
 import pytest
+from conftest import ROOT
 
 from app import lesson, ui
 from d3d_core import service
 from d3d_core.decoding.trace import MODES
 from d3d_core.measure.reading import race_load
-
-from conftest import ROOT
 
 record_race = runpy.run_path(str(ROOT / "scripts" / "record_race.py"), run_name="record_race")
 
@@ -91,6 +90,7 @@ def test_the_shipped_recorded_race_is_a_quiet_lesson_race_of_every_mode():
 def test_the_shipped_recorded_race_is_what_the_bundle_prints_today(smollm):
     """The recorded race is not stale: ar on today's engine prints exactly its tokens."""
     from conftest import engine
+
     from d3d_core.decoding.config import DecodeConfig
     from d3d_core.decoding.engine import decode
 
