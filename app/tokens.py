@@ -28,7 +28,7 @@ CSS = """
 .term, .d3d-drafter[title] {text-decoration: underline dotted #999;}
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
 /* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in view) */
-.d3d-text {max-height: 380px; overflow-y: auto;}
+.d3d-text {max-height: 230px; overflow-y: auto;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
 .tok.first {background: #CC79A726; border: 1px solid #CC79A7;}

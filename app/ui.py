@@ -54,10 +54,9 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("The lesson runs on fp32; the ⚖ fair race (and the API's default unless D3D_ENGINE=fast) on int4. int4: the GGUF's own 4-bit blocks through this project's row-invariant low-bit "
-               "kernel (torch's int4 kernel where it cannot build; the race's status says which ran), the fastest ar this app has, so "
-               "speculation is judged against the fairest baseline. fp32: the same weights dequantised, a slower ar that leaves "
-               "speculation more to win. Every mode is lossless against ar on the same engine.")
+ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
+               "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
+               "is lossless against ar on the same engine; the status says which int4 kernel ran.")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -67,6 +66,13 @@ def empty_state() -> dict:
     """A session's state: plain data only (strings, lists, dicts, Traces), so it pickles. ``run`` is the id of the
     race in flight (``app.runs`` holds its cancel flag), None between races."""
     return {"bundle": service.app_bundle(), "traces": {}, "pieces": {}, "skips": {}, "run": None, "clock": service.MEASURED_CLOCK}
+
+
+def empty_pruning() -> dict:
+    """The Pruning tab's own state: ``skips``, {drafter: layers unticked}. Kept apart from the race's state because its
+    handlers return the whole dict: the page-load refresh of the Pruning tab, returning the race state it was given, would
+    otherwise overwrite a race or a recorded race opened while it ran (found by opening 📼 just after the page loaded)."""
+    return {"skips": {}}
 
 
 def _traces(state) -> list:
@@ -133,9 +139,15 @@ def economics_sentences(state) -> str:
                  f"(the machine was busy); τ = {e.tau:.2f} stands (a token count, not a timing)</span>"
                  for e in race_economics(trs) if e.mode != "ar" and e.rounds]
         return "\n".join(lines)
-    lines = [f"- {e.sentence()}" for e in race_economics(trs) if e.sentence()]
+    econ = [e for e in race_economics(trs) if e.sentence()]
+    lines = [f"- {e.headline()}" for e in econ]
     note = drafter_confound(trs)
-    return "\n".join(lines + ([f"- {note}"] if note and lines else []))
+    out = "\n".join(lines + ([f"- {note}"] if note and lines else []))
+    full = [e.sentence() for e in econ if e.sentence() != e.headline()]
+    if full:  # the part-by-part cost of each round, folded (the Timeline's Economics section draws it)
+        out += ("\n\n<details><summary>What each round cost, part by part</summary>\n\n" + "\n".join(f"- {x}" for x in full)
+                + "\n\n</details>")
+    return out
 
 
 def _caption(state) -> str:
@@ -233,12 +245,13 @@ def _rounds(state) -> int:
 
 
 def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hypotheses, sampling, seed, verify, drafting, use_pruned, state,
-             d3d_drafter="d3d", engine=None):
+             d3d_drafter="d3d", engine=None, pruning=None):
     """Stream the race: columns after every round (throttled), plots at the end. The bundle is loaded here, before
     the GPU part (``race_stream``) is entered (on ZeroGPU it was loaded at start-up, and a request never loads one).
     On ZeroGPU the race is sized to the GPU time a visitor may reserve (``spaces_gpu.gpu_budget``: fewer new tokens
     where the request does not fit, said in the status line), and a failed GPU call (ZeroGPU's quota, queue and
-    worker errors) ends in the status line with the rounds that had arrived."""
+    worker errors) ends in the status line with the rounds that had arrived. ``pruning``: the Pruning tab's own state
+    (``empty_pruning``), whose ``skips`` the pruned-drafter switch races."""
     state = dict(state or empty_state())
     no = gr.skip()
     try:
@@ -266,7 +279,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
                *_columns(state), state)
         d3d_drafter = d3d_drafter or "d3d"
         # the layers chosen for this drafter in the Pruning tab; None: the drafter as shipped
-        skips = state.get("skips") or {}
+        skips = (pruning or {}).get("skips") or state.get("skips") or {}
         skip = list(skips.get(d3d_drafter) or []) if use_pruned and d3d_drafter in skips else None
         try:
             info = service.bundle_summary(bundle)  # loads the bundle: once per process, outside any GPU window
@@ -453,7 +466,9 @@ def _economics_note(bundle, drafter, skip, per_layer) -> str:
 
 
 def load_pruning(bundle, state, drafter="d3d"):
-    state = dict(state or empty_state())
+    """The Pruning tab for ``drafter``: its layer toggles (the shipped default ticked), hint, curve and marginal costs;
+    ``state``: the Pruning tab's own (``empty_pruning``), its ``skips`` reset to the default for this drafter."""
+    state = dict(state or empty_pruning())
     drafter = drafter or "d3d"
     try:
         choices = layer_choices(bundle, drafter)
@@ -491,7 +506,8 @@ pruned_tau = maybe_gpu(_pruned_tau, duration=PRUNING_SECONDS)
 
 
 def measure_pruned(bundle, active, state, drafter="d3d"):
-    state = dict(state or empty_state())
+    """τ of ``drafter`` with only the ``active`` layers, measured live; ``state``: the Pruning tab's own (``empty_pruning``)."""
+    state = dict(state or empty_pruning())
     drafter = drafter or "d3d"
     try:
         choices = layer_choices(bundle, drafter)
@@ -518,7 +534,7 @@ def measure_pruned(bundle, active, state, drafter="d3d"):
            f"({tau / full:.1%} of the full drafter's {full:.3f}, {keep99})"
            f"{_economics_note(bundle, drafter, skip, per_layer)} · measured in {time.perf_counter() - t0:.1f} s "
            f"on {n_anchors} calibration anchors. To race it: in the Race tab pick the `{drafter}` D3D drafter and tick "
-           "*race the D3D drafter with the layers chosen in the Pruning tab*.")
+           "*race the D3D drafter pruned as in the Pruning tab*.")
     on_axis = tau / full * _curve_full(curve, full)
     same_set = abs(on_axis - tau) < 1e-9
     live = (len(skip), on_axis, "your selection" if same_set else
@@ -701,6 +717,7 @@ def build_demo() -> gr.Blocks:
     # delete_cache: Gradio's copies of served files (downloads, exports, uploads) go once past the app's temp-file age
     with gr.Blocks(title="D3D Studio", fill_width=True, delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
         state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
+        pstate = gr.State(empty_pruning(), time_to_live=APP_SESSION_TTL_S)
         gr.Markdown(
             "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
             "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
@@ -716,17 +733,14 @@ def build_demo() -> gr.Blocks:
                 with gr.Row():
                     with gr.Column(scale=3):
                         with gr.Row(elem_id="presets"):
-                            pre_lesson = gr.Button("🎓 Lesson", size="sm", elem_id="preset-lesson")
-                            pre_gate = gr.Button("+ draft gate", size="sm", elem_id="preset-gate")
-                            pre_adapt = gr.Button("+ adaptive verify", size="sm", elem_id="preset-adaptive")
-                            pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair")
-                            recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded")
-                            presenter = gr.Checkbox(False, label="🖥 Presenter view (larger type)", elem_id="presenter",
-                                                    container=False, min_width=120)
+                            pre_lesson = gr.Button("🎓 Lesson", size="sm", elem_id="preset-lesson", min_width=110)
+                            pre_gate = gr.Button("+ draft gate", size="sm", elem_id="preset-gate", min_width=110)
+                            pre_adapt = gr.Button("+ adaptive verify", size="sm", elem_id="preset-adaptive", min_width=110)
+                            pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair", min_width=110)
+                            recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded", min_width=110)
+                            presenter = gr.Checkbox(False, label="🖥 Presenter view", elem_id="presenter", container=False, min_width=150)
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
-                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
-                        gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
+                        prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
                                           value=lesson.PRESETS["lesson"]["engine"], label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
@@ -740,14 +754,16 @@ def build_demo() -> gr.Blocks:
                                              info="a target model with the drafters trained for it; smollm2-135m is read from its GGUF "
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
+                        gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
+                                    label="Examples, with the τ the shipped D3D drafter measured on each (higher τ: more tokens per target forward)")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
-                                          label="Block size B (the bundle's fastest measured B is the default)",
+                                          label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
-                                         info="guesses (a, t) of the verify's outcome, drafted during verify in one packed pass")
+                                         info="guesses (a, t) of the verify's outcome, drafted in one packed pass")
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
-                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter with the layers chosen in the Pruning tab",
-                                                 info="off: the default D3D drafter. on: only the layers ticked in the Pruning tab.")
+                        use_pruned = gr.Checkbox(value=False, label="race the D3D drafter pruned as in the Pruning tab",
+                                                 info="on: only the layers ticked there; off: the drafter as shipped")
                 with gr.Accordion("Verify plan, drafting and sampling (set by the presets above: the lesson verifies every draft of every round)", open=False,
                                   elem_id="race-rules"):
                     with gr.Row():
@@ -966,7 +982,7 @@ def build_demo() -> gr.Blocks:
         presenter.change(None, [presenter], None, js=PRESENTER_JS, api_name=False, queue=False)
         demo.load(None, None, [presenter], js="() => new URLSearchParams(window.location.search).has('presenter')", api_name=False)
         run_ev = run_btn.click(
-            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine],
+            run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine, pstate],
             race_outputs,
             api_name="race", concurrency_limit=decode_concurrency(), concurrency_id="decode",
         )
@@ -983,10 +999,10 @@ def build_demo() -> gr.Blocks:
         prev_btn.click(lambda m, i, s: step_round(m, i, -1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
         next_btn.click(lambda m, i, s: step_round(m, i, +1, s), [r_mode, r_idx, state], [r_idx, r_grid, r_hyps, r_caption], api_name=False)
         p_evt = dict(concurrency_limit=decode_concurrency(), concurrency_id="decode")
-        p_load.click(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name="pruning_curve")
-        p_drafter.change(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
-        p_layers.input(measure_pruned, [bundle, p_layers, state, p_drafter], [p_msg, p_curve, state], api_name="measure_pruned", **p_evt)
-        bundle.change(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        p_load.click(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name="pruning_curve")
+        p_drafter.change(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
+        p_layers.input(measure_pruned, [bundle, p_layers, pstate, p_drafter], [p_msg, p_curve, pstate], api_name="measure_pruned", **p_evt)
+        bundle.change(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
         export_btn.click(export_race, [state], [export_file], api_name="export_html").then(
             lambda: gr.update(visible=True), None, [export_file], api_name=False, queue=False)
@@ -994,7 +1010,7 @@ def build_demo() -> gr.Blocks:
         up_file.upload(upload_traces, [up_file, state], [up_msg, tl_plot, tl_summary, acc_plot, econ_plot, econ_table, r_mode, state, r_idx],
                        api_name="upload_trace").then(lambda s: _columns(s), [state], cols, api_name=False).then(
                        _caption, [state], [tl_cap], api_name=False)
-        demo.load(load_pruning, [bundle, state, p_drafter], [p_layers, p_msg, p_curve, p_marg, state], api_name=False)
+        demo.load(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
         pj_inputs = [pj_profile, pj_B, pj_tau, pj_hit, pj_H, pj_v, pj_d, pj_p]
         for comp in pj_inputs:
             comp.change(project_speedups, pj_inputs, [pj_plot, pj_src], api_name=False, queue=False)

@@ -51,19 +51,24 @@ def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     passed = failed = skipped = 0
     failures: list[str] = []
+    messages: dict[str, str] = {}
     times: list[tuple] = []
     for case in root.iter("testcase"):
         tid = f"{case.get('classname', '')}::{case.get('name', '')}"
         times.append((float(case.get("time") or 0.0), tid))
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
             failed += 1
             failures.append(tid)
+            # the assertion's own message (the output's tail holds the captured stdout, not the line that failed)
+            messages[tid] = (bad.get("message") or "")[:1500] + "\n" + (bad.text or "")[-2500:]
         elif case.find("skipped") is not None:
             skipped += 1
         else:
             passed += 1
     slowest = [[tid, round(t, 1)] for t, tid in sorted(times, reverse=True)[:8]]
-    return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures, "slowest": slowest}
+    return {"passed": passed, "failed": failed, "skipped": skipped, "failures": failures, "slowest": slowest,
+            **({"messages": messages} if messages else {})}
 
 
 def run_once(group: str, args: list[str], index: int, runs: int, root: Path = ROOT) -> dict:

@@ -136,9 +136,12 @@ def test_stop_ends_a_real_run_within_a_round_and_the_next_run_works(client):
 
     job = client.submit("Write a long story about a dragon.", "smollm2-135m", ["ar", "d3d-async"], 8, 0, 256, 4, "match", 0, "adaptive", "gated", False,
                         api_name="/race")
-    deadline = time.time() + 120
+    # a process's first race on an engine warms every shape first: minutes on a loaded 2-core machine (a 120 s wait
+    # stopped the race before it ran, once, with two test loops beside it), so wait for the rounds, not for a time
+    deadline = time.time() + 900
     while time.time() < deadline and not any("Running" in str(o[0]) for o in job.outputs()):
         time.sleep(0.2)
+    assert any("Running" in str(o[0]) for o in job.outputs()), [str(o[0])[:120] for o in job.outputs()]
     time.sleep(2.0)
     t = time.perf_counter()
     client.predict(api_name="/stop")
@@ -201,3 +204,24 @@ def test_the_race_time_limit_starts_after_the_warm_up(monkeypatch):
     for _, upd, _, _ in items[1:]:
         tr = ui.merge_delta(tr, upd)
     assert len(tr.rounds) >= 1 and items[0][3].get("warm_s") == 1.0, (len(tr.rounds), items[0][3])
+
+
+def test_the_pruning_tab_keeps_its_own_state(toy):
+    """The Pruning tab's handlers read and return their own state (``empty_pruning``), never the race's: the page-load
+    refresh of the tab would otherwise overwrite a race opened while it ran. The race reads the layers from it."""
+    from app import ui
+
+    demo = ui.build_demo()
+    race_state = next(b for b in demo.blocks.values() if type(b).__name__ == "State" and isinstance(b.value, dict) and "traces" in b.value)
+    for fn in demo.fns.values():
+        name = getattr(fn.fn, "__name__", "")
+        if name in ("load_pruning", "measure_pruned"):
+            assert race_state._id not in [b._id for b in fn.outputs], name
+    pstate = ui.load_pruning("toy", ui.empty_pruning())[-1]
+    assert set(pstate) == {"skips"}
+    choices = ui.layer_choices("toy")
+    _, _, pstate = ui.measure_pruned("toy", choices[1:], pstate)
+    assert pstate["skips"]["d3d"] == [0]
+    args = dict(RACE, modes=["ar", "d3d-seq"], max_new_tokens=12, use_pruned=True)
+    status = list(ui.run_race(*args.values(), ui.empty_state(), "d3d", "fp32", pstate))[-1][0]
+    assert "with D3D layers [0] skipped" in status, status

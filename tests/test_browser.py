@@ -164,3 +164,34 @@ def test_race_with_the_deep_drafter(server, page):
     done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq")}
     assert done["ar"] == done["d3d-seq"] == "16", done
     _shot(page, "1b-race-deep")
+
+
+def test_recorded_race_opens_at_once_and_presenter_view(server, page):
+    """📼 pressed right after the page loads: the recorded race fills the Race columns and the Rounds tab (the page-load
+    refresh of the Pruning tab must not overwrite it); the presenter view enlarges the type and ?presenter opens in it."""
+    page.goto(server, wait_until="domcontentloaded")
+    page.get_by_text("D3D Studio", exact=False).first.wait_for()
+    page.locator("#preset-recorded").click()  # at once: the Pruning tab's page-load refresh is still running
+    page.locator("#status").get_by_text("Recorded race", exact=False).wait_for(timeout=60_000)
+    page.wait_for_timeout(6000)
+    done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq", "d3d-async")}
+    assert len(set(done.values())) == 1, done
+    h = _page_height(page)  # the default race at full length (176 tokens), not a shortened one
+    assert h <= PAGE_MAX_PX, f"the Race tab after the recorded default race is {h} px tall at 1500 x 1000"
+    page.get_by_role("tab", name="Rounds").click()
+    page.get_by_text("Round 0", exact=False).first.wait_for(timeout=20_000)
+    assert page.get_by_text("Run a race first", exact=False).count() == 0
+    page.get_by_role("tab", name="Race", exact=True).click()
+    size = "() => parseFloat(getComputedStyle(document.querySelector('#col-ar .d3d-col')).fontSize)"
+    small = page.evaluate(size)
+    page.locator("#presenter input").check()
+    page.wait_for_timeout(500)
+    assert page.evaluate("() => document.body.classList.contains('d3d-presenter')")
+    assert page.evaluate(size) >= 1.4 * small
+    _shot(page, "1c-recorded-presenter")
+    page.locator("#presenter input").uncheck()
+    page.wait_for_timeout(300)
+    assert page.evaluate(size) == small
+    page.goto(server + "?presenter", wait_until="domcontentloaded")
+    page.get_by_text("D3D Studio", exact=False).first.wait_for()
+    page.wait_for_function("() => document.body.classList.contains('d3d-presenter')", timeout=20_000)

@@ -32,7 +32,8 @@ def test_four_hundred_races_no_trend_in_memory_threads_files_or_temp_files(tmp_p
     assert v["pass"]["threads_in_pools"] is True and v["pass"]["fds_in_bounds"] is True, v["census"]
     assert v["temp_files_end"] <= v["temp_files_bound"], v
     assert v["pass"]["heap_flat"] is not False and all(ok is not False for ok in v["pass"].values()), v["pass"]  # None: no heap off glibc
-    assert max(age for age, _ in doc["oldest_temp_files"]) < cfg.temp_max_age_s + 15  # stray upload files are swept too
+    # stray upload files are swept too; none left at all is the best case (max() of nothing failed run 1 of ten at 766c6b4)
+    assert max((age for age, _ in doc["oldest_temp_files"]), default=0.0) < cfg.temp_max_age_s + 15
     assert (tmp_path / "soak.json").is_file() and (tmp_path / "soak.html").stat().st_size > 10_000
     assert not (tmp_path / "soak.raw.jsonl").exists()  # kept only when a step failed
     fig = soak_figure(doc)

@@ -95,7 +95,7 @@ class BundleSpec:
     description: str
     target: TargetSpec
     drafters: tuple  # DrafterSpec per drafter, loaded in this order
-    block_size: int = 8  # the app's default B for this bundle: the fastest one measured
+    block_size: int = 8  # the app's default B for this bundle: the block size its drafters were trained with
     gpu_only: bool = False  # never offered or loaded on a host without CUDA (hardware.gpu_available)
     params: int = 0  # about how many parameters a load holds (target + drafters): the memory check before loading
 
