@@ -180,12 +180,20 @@ GLOSSARY = """
 ### Glossary (every number the app shows)
 | term | meaning |
 |---|---|
+| **D3D** | the method this app is built around, from the D3D preprint (Chen et al., 2026): a *standalone* block-diffusion drafter that reads only tokens, so it can draft the next block while the target is still verifying this one |
+| **DFlash** | the published target-conditioned block-diffusion drafter (arXiv 2602.06036): it reads the target's hidden states, so it must wait for each verify |
+| **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
+| **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
+| **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
+| **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
+| **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
+| **bf16, HBM** | a 16-bit float format GPUs compute in; a GPU's high-bandwidth memory (its speed sets a GPU's decode step) |
 | **target** | the large causal LM whose output must be reproduced exactly |
 | **drafter** | the cheap model that proposes a block of `B` tokens in one pass |
 | **block size `B`** | tokens per drafted block: the anchor plus `B-1` drafts (`ar` uses 1); the verify checks all of them (*full*) or the prefix the verify plan picks (*adaptive*) |
 | **draft gate / no draft** | *gated*: skip the draft, verifying the anchor alone like `ar`, while the drafted rounds have lately earned fewer tokens per step of cost than a plain step; a probe draft every few skipped rounds |
 | **verify plan / held back** | *adaptive*: verify only the drafts expected to pay for the wider verify on this bundle's cost table; the drafts past that width are *held back* (drafted, never verified) |
-| **round** | one draft + one target verify over the block |
+| **round** | one draft + one target verify over the block (its time in ms: *round (ms)* below) |
 | **anchor** | the last committed token (the previous round's bonus); the block starts with it |
 | **accepted `a`** | length of the longest prefix of drafts equal to the target's tokens |
 | **bonus** | the target's token right after the accepted prefix; the next anchor |
@@ -203,7 +211,7 @@ GLOSSARY = """
 | **match rule** | the verify rule at temperature > 0 used by default: sample the target's token at every block position and accept drafts while they equal those samples (lossless, simple); *rejection* is standard speculative sampling (accept `d` with probability `min(1, p/q)`), which accepts more often |
 | **T_step** | what `ar` paid per token in the same race: its decode time ÷ its tokens (one step's forward + its own bookkeeping); the yardstick of every "N ar steps", speedup and break-even τ |
 | **T_verify(B), T_draft, T_packed** | mean span of one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
-| **round** | a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly |
+| **round (ms)** | a round's *time*: a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly |
 | **break-even τ** | round ÷ T_step: the τ at which a mode, with the round costs it paid, would tie `ar` here — the same number as "a round costs N ar steps" |
 | **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
 """
@@ -239,6 +247,7 @@ prompts**, **how they are counted** and **which rounds count**:
 | **τ per drafted round** | Benchmarks histogram | the same bench, drafted rounds only, pooled over the chosen datasets | undrafted rounds left out (higher), datasets pooled (MT-Bench pulls it down) |
 | **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
 | **quoted τ** | this page's text (e.g. 2.20) | one bench run, quoted once | a fixed reference, not re-measured |
+| **d3d-seq's τ vs d3d-async's** | Race columns | the same drafter, the same prompt | the drafter's int8 layers scale each batch of rows as a whole, and d3d-async drafts in other batches (a packed pass holds several guesses; a miss drafts again), so where the drafter is unsure the two modes guess differently at the same position; once one round accepts a different number of drafts the blocks start at different places and the two τ drift apart — either may be higher. With an fp32 drafter (`D3D_DRAFTER_INT8=off`) both modes draft the same block at every shared position and their τ agree |
 
 The same for time: **T_step** in the race is what `ar` paid per token *in that race* — its forward plus its own
 bookkeeping, at that prompt's context length, under whatever else the machine was doing; the **Benchmarks**

@@ -792,7 +792,8 @@ def build_demo() -> gr.Blocks:
             with gr.Tab("Rounds", id="rounds"):
                 gr.Markdown("One row per round, one column per block position: the **anchor** (the last committed token, where the block starts), "
                             "the drafts d1 … d(B−1), and the bonus (the target's own token after the accepted drafts). Hover a cell for the "
-                            "drafter's probability and the target's token. Step through the decode round by round.")
+                            "drafter's probability and the target's token. Step through the decode round by round. A row of rejected drafts can read as "
+                            "nonsense: they are the drafter's wrong guesses, thrown away — only the target's tokens are kept.")
                 with gr.Row():
                     r_mode = gr.Radio(list(MODES), value="d3d-async", label="Mode")
                     r_idx = gr.Slider(0, 1, value=0, step=1, label="Show rounds up to")
@@ -866,6 +867,7 @@ def build_demo() -> gr.Blocks:
                                     "against this CPU's bound) · **Engines** (fp32, int4 and llama.cpp) · **int4 step costs** · "
                                     "**Model check** (the latency model against this bench) · **Projections** (other hardware, model-based).",
                                     elem_id="bench-intro")
+                        gr.Markdown(service.bench_sources(home), elem_id="bench-sources")
                         v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
                         b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
                         b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
@@ -875,10 +877,12 @@ def build_demo() -> gr.Blocks:
                             with gr.Column():
                                 b_ds = gr.Dropdown(v_ds, value="all", label="Acceptance histogram of dataset")
                                 b_acc = gr.Plot(v_acc, label="Accepted length per round (bench)")
-                            b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
+                            with gr.Column():
+                                b_sweep = gr.Plot(v_sweep, label="Block-size sweep (bench --block-sizes)")
+                                gr.Markdown(service.provenance(service.block_sweep_result(home)), elem_id="sweep-provenance")
                     with gr.Tab("Where the time goes", id="bench-costs"):
                         gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
-                                    "attention, the LM head and everything else, against the bound this CPU's bandwidth and GEMM rate put on it. "
+                                    "attention, the LM head and everything else, against the bound the measured machine's bandwidth and GEMM rate put on it (its first line names it). "
                                     "Speculation pays when verify(B) (one target forward over B tokens) costs about one step and a draft a small "
                                     "fraction of one.")
                         b_cprov = gr.Markdown(v_cprov)
@@ -895,7 +899,7 @@ def build_demo() -> gr.Blocks:
                         b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
                     with gr.Tab("int4 step costs", id="bench-int4-costs"):
                         gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
-                                    "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on this Xeon (unpacking them, "
+                                    "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on the Xeon this was measured on (unpacking them, "
                                     "not memory, sets its speed); the glue around them (Python, norms, casts, RoPE, KV writes: “everything else”) "
                                     "and attention take about as long again; a verify of 8 rows costs about two steps here, not one.")
                         b_ecprov = gr.Markdown(e_cprov)

@@ -24,7 +24,7 @@ from .decoding.warm import warm_rows, warm_shapes
 from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS, LIVE_TAU_LAYERS
 from .measure.clock import retime_all
 from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
-from .measure.machine import LoadWatch
+from .measure.machine import LoadWatch, cpu_model
 from .models import bundles as _bundles
 from .models import int4
 from .models.adapter import SHARED_ADAPTER_INFO
@@ -413,6 +413,11 @@ def pruning_curve(bundle_name: str, drafter: str = "d3d") -> Optional[dict]:
                        schema="pruning curve")
 
 
+def block_sweep_result(bundle_name: str) -> Optional[dict]:
+    """The shipped block-size sweep's whole bench result (its machine, settings and note), if any."""
+    return _asset_json("bench", f"{bundle_name}-block-sweep.json", schema="bench result")
+
+
 def block_sweep(bundle_name: str) -> Optional[dict]:
     """{mode: {B: {tau, speedup}}} from a shipped block-size sweep, if any."""
     d = _asset_json("bench", f"{bundle_name}-block-sweep.json", schema="bench result")
@@ -511,8 +516,21 @@ def provenance(result: Optional[dict]) -> str:
     m = result.get("machine_info") or result.get("machine") or {}
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
+    eng = {"fast": "fp32 (fast)"}.get(eng, eng)
     line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}** ({m.get('torch_threads', '?')} threads"
     line += f", {eng} engine)" if eng else ", engine not recorded)"
+    c = result.get("config") or {}
+    if c.get("datasets") and c.get("n"):  # the run's settings: two runs of the same quantity differ by these too
+        ds = c["datasets"] if isinstance(c["datasets"], str) else ",".join(c["datasets"])
+        line += f" · {ds.replace(',', ', ')}, {c['n']} prompts each, {c.get('max_new_tokens', '?')} new tokens"
+        if c.get("block_sizes"):
+            line += f", B {c['block_sizes'].replace(',', ', ') if isinstance(c['block_sizes'], str) else c['block_sizes']}"
+        elif c.get("block_size"):
+            line += f", B {c['block_size']}"
+        if c.get("verify") and c.get("drafting"):
+            line += f", verify {c['verify']}, drafting {c['drafting']}"
+    if result.get("note"):  # what the file itself says about its run (e.g. made with drafters since replaced)
+        line += f" · ⚠ {result['note']}"
     q = result.get("quiet")
     if not q:
         line += " · ⚠ quietness not recorded (an older measurement: the machine may have been busy)"
@@ -521,6 +539,30 @@ def provenance(result: Optional[dict]) -> str:
     else:
         line += f" · quiet machine (others used {q.get('other_cores', 0):.2f} cores on average)"
     return line
+
+
+def bench_sources(bundle_name: str) -> str:
+    """Which machine each Benchmarks section's shipped run came from, beside this one: the sections are separate
+    runs, and a quantity two of them measure (ar's tokens/s, a step's ms, τ) differs by machine, run and rules."""
+
+    def cpu(d):
+        m = (d or {}).get("machine_info") or (d or {}).get("machine") or {}
+        return m.get("cpu") if isinstance(m, dict) else None
+
+    engines, benches = engine_runs(bundle_name)
+    runs = [("Measured bench", bench_result(bundle_name)), ("block-size sweep", block_sweep_result(bundle_name)),
+            ("Where the time goes", cost_breakdown(bundle_name)), ("Engines (run)", engines),
+            ("Engines (bench per engine)", benches.get("fast") or benches.get("int4")), ("int4 step costs", cost_breakdown(bundle_name, "int4"))]
+    by_cpu: dict = {}
+    for name, d in runs:
+        if d is not None:
+            by_cpu.setdefault(cpu(d) or "an unrecorded CPU", []).append(name)
+    if not by_cpu:
+        return ""
+    where = "; ".join(f"{', '.join(names)} on **{c}**" for c, names in by_cpu.items())
+    return (f"**Where these figures come from.** This server runs on **{cpu_model()}**. The sections are separate shipped runs: "
+            f"{where}. A quantity measured in two of them (ar's tokens/s, a step's ms, τ) differs by machine, run and rules; "
+            "each section's first line names its run.")
 
 
 def cost_profiles() -> dict:

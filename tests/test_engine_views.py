@@ -67,3 +67,37 @@ def test_the_int4_cost_breakdown_is_shown_beside_the_engines():
     step = next(r for r in shipped["rows"] if r["forward"] == "step" and r["threads"] == 2)
     bars = {t.name: t.x[list(t.y).index("step")] for t in costs.data if t.type == "bar"}
     assert sum(bars.values()) == __import__("pytest").approx(step["wall_ms"])
+
+
+def test_engines_text_names_the_gap_between_the_benchs_ar_and_ar_alone():
+    benches = {"fast": {"summary": [{"dataset": "average", "mode": "ar", "tokens_per_s": 20.0, "speedup": 1.0}]},
+               "int4": {"summary": [{"dataset": "average", "mode": "ar", "tokens_per_s": 60.0, "speedup": 1.0}]}}
+    text = ev.engines_text(ENGINES, benches)
+    assert "20.0 tok/s on fp32 (-20% against the engines run's 25.0)" in text and "60.0 tok/s on int4 (+0% against" in text
+    assert "not yet measured" in text
+    assert "against the engines run" not in ev.engines_text(ENGINES, {})
+
+
+def test_every_benchmarks_section_names_its_run():
+    """The sections are separate runs on several machines: the tab says which machine each came from beside this
+    server's, each provenance line carries the run's settings, and a file's own note (a sweep made with drafters since
+    replaced) is shown; the overlap sentence names the depths where overlapping paid, against d3d-seq, not ar."""
+    from app import figures
+    from d3d_core import service
+    from d3d_core.measure.machine import cpu_model
+
+    src = service.bench_sources("smollm2-135m")
+    assert cpu_model() in src and "Measured bench" in src and "int4 step costs" in src and "Engines (run)" in src
+    for section in ("Measured bench", "block-size sweep", "Where the time goes"):
+        assert section in src
+    line = service.provenance(service.bench_result("smollm2-135m"))
+    assert "gsm8k, mt_bench, 10 prompts each, 128 new tokens, B 8" in line and "fp32 (fast) engine" in line
+    sweep = service.provenance(service.block_sweep_result("smollm2-135m"))
+    assert "B 4, 6, 8" in sweep and "⚠ measured 2026-12-04" in sweep and "replaced since" in sweep
+    ov = figures.overlap_text(service.cost_breakdown("smollm2-135m"))
+    assert "not against ar" in ov and "once a draft costs" not in ov
+    rows = service.cost_breakdown("smollm2-135m")["overlap"]["rows"]
+    paid = [str(r["depth"]) for r in rows if r["pays"]]
+    assert ("paid only at drafter depth " + ", ".join(paid)) in ov or "every measured" in ov or "did not pay" in ov
+    assert figures.overlap_text({"overlap": {"B": 8, "H": 1, "rows": [{"depth": 8, "draft_per_verify": 0.3, "async_over_seq": 0.9, "pays": False}]}}).startswith(
+        "**Overlapping did not pay at any measured drafter depth**")
