@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from .figures import GREY, LAYOUT, MODE_COLOURS, _empty
 
 ENGINE_NAMES = {"fast": "fp32", "int4": "int4"}
-RUNNER_NAMES = {"fast": "ar, fp32 engine (D3D_ENGINE=fast: dequantised weights, the slower ar)", "int4": "ar, int4 engine (GGUF Q4_1 blocks)", "llama-cpp": "llama.cpp, plain",
+RUNNER_NAMES = {"fast": "ar, fp32 engine (dequantised weights, the slower ar)", "int4": "ar, int4 engine (GGUF Q4_1 blocks)", "llama-cpp": "llama.cpp, plain",
                 "llama-cpp-lookup": "llama.cpp, prompt lookup", "hf-generate": "HF generate", "hf-prompt-lookup": "HF prompt lookup"}
 DRAFT_MODES = ("dflash", "d3d-seq", "d3d-async")
 

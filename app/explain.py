@@ -42,10 +42,10 @@ VERIFY_PLAN = """
 ### The verify plan: check only the drafts that pay
 A verify over more tokens costs more on a CPU, and a weak drafter's later drafts are rarely reached: the
 6th draft only counts if the first five were all right. So with **Verify plan: adaptive** (the fair race's setting; the lesson verifies them all) the
-engine verifies the prefix `d₁ … d_{k-1}` that maximises *expected tokens per unit of round cost*,
+engine verifies a verify width `k` (the anchor and the drafts `d₁ … d_{k-1}`) that maximises *expected tokens per unit of round cost*,
 `E[tokens | k] / (T_draft + T_verify(k))` with `E[tokens | k] = 1 + Σ_{j<k} Π_{i≤j} q_i(d_i)` — the
 drafter's own probabilities as its acceptance estimate, the bundle's measured cost table (in steps) for
-`T_verify(k)`. The drafts past `k` are **held back** (pale yellow cells in **Rounds**): drafted, never verified.
+`T_verify(k)`. The drafts from `d_k` on are **held back** (pale yellow cells in **Rounds**): drafted, never verified.
 The width depends only on the drafter's side, never on the target's answer, so the output stays exactly
 the target's. τ drops a little (a held-back draft can no longer be accepted); time per token drops more.
 Choose **full** to verify all `B − 1` drafts, as the method's papers do on GPUs, where a wider verify is
@@ -172,7 +172,7 @@ Read the sections in the row of tabs above from left to right; each takes a minu
 5. **A deeper drafter**: more τ is not more speed
 6. **Skipping drafter layers**: what pruning trades
 
-**Which τ is which** and the **Glossary** explain every number the app shows. Then check each answer on your own
+**Which τ is which** and the **Glossary** explain every number the app shows, and **Words** the method's terms. Then check each answer on your own
 race: the table below names the tab that shows it.
 """
 
@@ -180,21 +180,13 @@ GLOSSARY = """
 ### Glossary (every number the app shows)
 | term | meaning |
 |---|---|
-| **D3D** | the method this app is built around, from the D3D preprint (Chen et al., 2026): a *standalone* block-diffusion drafter that reads only tokens, so it can draft the next block while the target is still verifying this one |
-| **DFlash** | the published target-conditioned block-diffusion drafter (arXiv 2602.06036): it reads the target's hidden states, so it must wait for each verify |
-| **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
-| **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
-| **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
-| **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
-| **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
-| **bf16, HBM** | a 16-bit float format GPUs compute in; a GPU's high-bandwidth memory (its speed sets a GPU's decode step) |
 | **target** | the large causal LM whose output must be reproduced exactly |
 | **drafter** | the cheap model that proposes a block of `B` tokens in one pass |
 | **block size `B`** | tokens per drafted block: the anchor plus `B-1` drafts (`ar` uses 1); the verify checks all of them (*full*) or the prefix the verify plan picks (*adaptive*) |
 | **draft gate / no draft** | *gated*: skip the draft, verifying the anchor alone like `ar`, while the drafted rounds have lately earned fewer tokens per step of cost than a plain step; a probe draft every few skipped rounds |
 | **verify plan / held back** | *adaptive*: verify only the drafts expected to pay for the wider verify on this bundle's cost table; the drafts past that width are *held back* (drafted, never verified) |
 | **round** | one draft + one target verify over the block (its time in ms: *round (ms)* below) |
-| **anchor** | the last committed token (the previous round's bonus); the block starts with it |
+| **anchor** | the last committed token (the previous round's bonus; in round 0, the token the prefill produced); the block starts with it; its *position* counts the prompt's tokens and every output token before it |
 | **accepted `a`** | length of the longest prefix of drafts equal to the target's tokens |
 | **bonus** | the target's token right after the accepted prefix; the next anchor |
 | **τ (acceptance length)** | mean of `a + 1` over rounds (bonus included) |
@@ -214,6 +206,20 @@ GLOSSARY = """
 | **round (ms)** | a round's *time*: a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly |
 | **break-even τ** | round ÷ T_step: the τ at which a mode, with the round costs it paid, would tie `ar` here — the same number as "a round costs N ar steps" |
 | **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
+"""
+
+WORDS = """
+### Words (the method's terms, in plain language)
+| term | meaning |
+|---|---|
+| **D3D** | the method this app is built around, from the D3D preprint (Chen et al., 2026): a *standalone* block-diffusion drafter that reads only tokens, so it can draft the next block while the target is still verifying this one |
+| **DFlash** | the published target-conditioned block-diffusion drafter (arXiv 2602.06036): it reads the target's hidden states, so it must wait for each verify |
+| **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
+| **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
+| **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
+| **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
+| **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
+| **bf16, HBM** | a 16-bit float format GPUs compute in; a GPU's high-bandwidth memory (its speed sets a GPU's decode step) |
 """
 
 QUESTIONS = """

@@ -662,7 +662,7 @@ def diagram_d3d_async(costs: Optional[dict] = None) -> go.Figure:
     asy_t = [(d, d + vc, BLUE, f"verify {vc:.0f} ms (shared cores)"), (r2, r2 + vc, BLUE, f"verify {vc:.0f} ms ✓ hit")]
     fig = _blocks_diagram([("d3d-seq · drafter", seq_d), ("d3d-seq · target", seq_t),
                            ("d3d-async · drafter", asy_d), ("d3d-async · target", asy_t)],
-                          f"D3D async vs d3d-seq, measured on this CPU: verify takes {vc:.0f} ms beside the packed pass, {v:.0f} alone"
+                          f"D3D async vs d3d-seq, measured on the cost breakdown's machine: verify takes {vc:.0f} ms beside the packed pass, {v:.0f} alone"
                           f"<br><sup>cost breakdown's overlap probe: B = {costs['overlap'].get('B', 8)}, H = {costs['overlap'].get('H', 1)}, "
                           "every hypothesis a hit, one thread per lane while both run</sup>", 320)
     fig.update_xaxes(title="time (ms) →", showticklabels=True)
@@ -696,7 +696,7 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     """Stacked bars: where each forward's wall time goes (python -m d3d_core.measure.costs), with the
     machine's bound (bytes / bandwidth or FLOPs / GEMM rate) as a diamond — the gap between a bar
     and its diamond is what a faster engine could still win."""
-    title = "Cost of each forward on this machine" + (", int4 engine" if (costs or {}).get("engine") == "int4" else "")
+    title = "Cost of each forward on the measured machine" + (", int4 engine" if (costs or {}).get("engine") == "int4" else "")
     if not costs or not costs.get("rows"):
         return _empty(title, "No cost breakdown shipped for this bundle yet (python -m d3d_core.measure.costs).")
     th = threads or max(r["threads"] for r in costs["rows"])
@@ -717,7 +717,7 @@ def cost_breakdown_figure(costs: Optional[dict], threads: Optional[int] = None) 
     m = (costs.get("machine") or {}).get(str(th), {})
     sub = f"{th} thread(s), {costs.get('engine', '?')} engine"
     if m:
-        sub += f"; this CPU reads {m['read_gb_s']:.0f} GB/s and multiplies at {m['gemm_gflop_s']:.0f} GFLOP/s"
+        sub += f"; in this run the machine read {m['read_gb_s']:.0f} GB/s and multiplied at {m['gemm_gflop_s']:.0f} GFLOP/s"
     pads = row_plan_text((costs.get("row_plan") or {}).get("plan"), (costs.get("row_plan") or {}).get("blas"))
     if pads or costs.get("drafter_int8") == "on":
         sub += "<br>" + "; ".join(x for x in (pads, "D3D drafter MLPs and head in int8" if costs.get("drafter_int8") == "on" else "") if x)

@@ -36,11 +36,11 @@ def round_sentence(r: Round, pieces: dict, mode: str = "") -> str:
                  f"{_show(pieces, [r.bonus])}, comes free from the same forward. ")
     elif a == 0:
         said += (f"**3. Accept.** The first guess, {_show(pieces, r.draft_ids[:1])}, already differs from the target's "
-                 f"{_show(pieces, [r.bonus])} (red), so no guess is kept and the rest are thrown away. **4. Bonus.** The target's "
+                 f"{_show(pieces, [r.bonus])} (vermillion: the first mismatch), so no guess is kept and the rest are thrown away. **4. Bonus.** The target's "
                  f"own token {_show(pieces, [r.bonus])} is kept — a round never commits less than ar's one token. ")
     else:
         said += (f"**3. Accept.** The first {a} guess{'es' if a != 1 else ''} match (green); guess {a + 1}, "
-                 f"{_show(pieces, r.draft_ids[a:a + 1])}, differs from the target's {_show(pieces, [r.bonus])} (red), so it and "
+                 f"{_show(pieces, r.draft_ids[a:a + 1])}, differs from the target's {_show(pieces, [r.bonus])} (vermillion: the first mismatch), so it and "
                  f"everything after it are thrown away. **4. Bonus.** The target's own token there, {_show(pieces, [r.bonus])}, "
                  f"is kept. ")
     k = len(r.committed)

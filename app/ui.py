@@ -164,6 +164,13 @@ SOURCE_WORDS = {
 }
 
 
+def _source_words(r) -> str:
+    """Where round ``r``'s block came from, in words (round 0's comes after the prefill, not a verify)."""
+    if r.index == 0 and r.draft_source == "draft":
+        return "drafted after the prefill (the drafter and the target took turns)"
+    return SOURCE_WORDS.get(r.draft_source, r.draft_source)
+
+
 def _rounds_view(state, mode, idx):
     tr = state["traces"].get(mode)
     if tr is None:
@@ -180,7 +187,7 @@ def _rounds_view(state, mode, idx):
             f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
     cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
-           + (f" · {SOURCE_WORDS.get(r.draft_source, r.draft_source)}" if r.draft_source else ""))
+           + (f" · {_source_words(r)}" if r.draft_source else ""))
     if idx == n - 1 and r.hypotheses:
         cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
                 "and do not count in the hit rate")
@@ -462,7 +469,7 @@ def _economics_note(bundle, drafter, skip, per_layer) -> str:
         return ""
     full = (service.draft_cost_row(bundle) or {}).get("wall_ms")
     share = f", {len(skip) * per_layer / full:.0%} of the draft's {full:.0f} ms" if full else ""
-    return f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on this machine{share})"
+    return f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on the machine of the shipped cost breakdown{share})"
 
 
 def load_pruning(bundle, state, drafter="d3d"):
@@ -482,7 +489,7 @@ def load_pruning(bundle, state, drafter="d3d"):
     per_layer = service.drafter_layer_ms(bundle, drafter)
     hint = f"Toggle layers off, then the offline τ is re-measured ({len(choices)} layers)."
     if per_layer:
-        hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on this machine (the orange "
+        hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on the machine of the shipped cost breakdown (Benchmarks › Where the time goes; the orange "
                  "dashed line, right axis).")
     if curve is None:
         hint += f" No pruning curve is shipped for `{drafter}` yet (`python -m d3d_core.training.prune --drafter {drafter}`)."
@@ -657,8 +664,11 @@ def recorded_note(meta: dict) -> str:
     """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's)."""
     where = f"a {meta['cores']}-core {meta['cpu']}" if meta.get("cores") and meta.get("cpu") else (meta.get("cpu") or "another machine")
     spread = (meta.get("spread") or {}).get("d3d-seq")
-    runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq's spread over them: "
-                 f"{spread:.0%})") if meta.get("runs") and len(meta["runs"]) > 1 and spread is not None else ""
+    seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
+    seq = [x for x in seq if x is not None]
+    runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq read "
+                 f"{min(seq):.2f}–{max(seq):.2f}× over them, a spread of {spread:.0%}; the 10–90 % range under each column "
+                 "is another spread: over resamplings of this one race's rounds)") if len(seq) > 1 and spread is not None else ""
     return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
             f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
             "machine's, not this one's; every tab now shows it. Press **▶ Run race** to race live here.")
@@ -807,7 +817,8 @@ def build_demo() -> gr.Blocks:
                                             "a hit means the next block was ready")
             with gr.Tab("Timeline", id="timeline"):
                 with gr.Row():
-                    clock = gr.Radio(service.clock_names(), value=service.MEASURED_CLOCK, elem_id="clock",
+                    clock = gr.Radio([("as measured (the race's own clock)" if n == service.MEASURED_CLOCK else n, n) for n in service.clock_names()],
+                                     value=service.MEASURED_CLOCK, elem_id="clock",
                                      label="Clock: as measured here, or this run re-timed on other hardware (latency model, projected)")
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
@@ -842,7 +853,9 @@ def build_demo() -> gr.Blocks:
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
                 gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home)),
                         label="Speedup vs block size")
-                gr.Markdown(explain.WHICH_TAU, elem_id="which-tau")
+                gr.Markdown("The block-size sweep: " + service.provenance(service.block_sweep_result(home)), elem_id="acc-sweep-provenance")
+                gr.Markdown("The app shows several τ (this race's, the bench's, offline, calibration, held-out): **How it works › Which τ is "
+                            "which** says how each is measured and why they differ.", elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
                             "on a small calibration set; the curve shows the precomputed greedy progression, and the dashed grey line "
@@ -864,7 +877,7 @@ def build_demo() -> gr.Blocks:
                                     "lossless rate = same tokens as ar, hit rate, overlap). `hf-generate` and `hf-prompt-lookup` are the peers a user "
                                     "would run instead: Hugging Face `generate` (greedy) and its prompt-lookup speculative decoding, same target and prompts.\n\n"
                                     "The other sections, left to right: **Acceptance and block size** · **Where the time goes** (each forward "
-                                    "against this CPU's bound) · **Engines** (fp32, int4 and llama.cpp) · **int4 step costs** · "
+                                    "against the measured machine's bound) · **Engines** (fp32, int4 and llama.cpp) · **int4 step costs** · "
                                     "**Model check** (the latency model against this bench) · **Projections** (other hardware, model-based).",
                                     elem_id="bench-intro")
                         gr.Markdown(service.bench_sources(home), elem_id="bench-sources")
@@ -895,7 +908,9 @@ def build_demo() -> gr.Blocks:
                                     "(`bench --engine fast|int4`) times every mode against that engine's own ar. The Race tab races on either engine.")
                         e_text, e_table, e_fig, e_cprov, e_costs = engines_views(home)
                         b_etext = gr.Markdown(e_text, elem_id="engines-text")
-                        b_etable = gr.Dataframe(e_table, label="ar per engine and llama.cpp (engines command, one run)", interactive=False)
+                        b_etable = gr.Dataframe(e_table, label=("ar per engine and llama.cpp (engines command, one run); step ms: ar's mean decode step over these "
+                                                      "prompts at their own context lengths, not the cost breakdown's one forward at a 300-token context"),
+                                               interactive=False)
                         b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
                     with gr.Tab("int4 step costs", id="bench-int4-costs"):
                         gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
@@ -964,6 +979,8 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(explain.WHICH_TAU)
                     with gr.Tab("Glossary", id="explain-glossary"):
                         gr.Markdown(explain.GLOSSARY)
+                    with gr.Tab("Words", id="explain-words"):
+                        gr.Markdown(explain.WORDS)
             with gr.Tab("Traces", id="traces"):
                 gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
                 dl_btn = gr.Button("Prepare download")
@@ -983,6 +1000,7 @@ def build_demo() -> gr.Blocks:
         rec_ev = rec_ev.then(open_recorded, [bundle, state], race_outputs, api_name="recorded_race")
         rec_ev = rec_ev.then(race_views, [state], view_outputs, api_name=False)
         rec_ev.then(show_rounds, [r_mode, r_idx, state], [r_grid, r_hyps, r_caption], api_name=False)
+        rec_ev.then(lambda: health.line(health.snapshot(demo)), None, [health_md], api_name=False, queue=False)
         presenter.change(None, [presenter], None, js=PRESENTER_JS, api_name=False, queue=False)
         demo.load(None, None, [presenter], js="() => new URLSearchParams(window.location.search).has('presenter')", api_name=False)
         run_ev = run_btn.click(

@@ -516,7 +516,7 @@ def provenance(result: Optional[dict]) -> str:
     m = result.get("machine_info") or result.get("machine") or {}
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
-    eng = {"fast": "fp32 (fast)"}.get(eng, eng)
+    eng = {"fast": "fp32"}.get(eng, eng)
     line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}** ({m.get('torch_threads', '?')} threads"
     line += f", {eng} engine)" if eng else ", engine not recorded)"
     c = result.get("config") or {}

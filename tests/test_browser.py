@@ -24,7 +24,7 @@ SECTIONS = {
                                        "int4 step costs", "Model check", "Projections"], "Acceptance and block size"),
     "How it works": ("#explain-sections", ["Start here", "1 · Draft, then verify", "2 · Verify plan, draft gate", "3 · DFlash",
                                            "4 · D3D during verify", "5 · A deeper drafter", "6 · Skipping drafter layers",
-                                           "Which τ is which", "Glossary"], "1 · Draft, then verify"),
+                                           "Which τ is which", "Glossary", "Words"], "1 · Draft, then verify"),
 }
 
 
@@ -130,7 +130,7 @@ def test_clock_and_export(server, page, tmp_path):
     page.wait_for_function("() => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
     assert "PROJECTED" in title()
     _shot(page, "3b-timeline-projected")
-    page.locator("#clock").get_by_text("measured here", exact=True).click()
+    page.locator("#clock").get_by_text("as measured (the race's own clock)", exact=True).click()
     page.wait_for_function("() => ![...document.querySelectorAll('.gtitle')].some(e => e.textContent.includes('PROJECTED'))", timeout=30_000)
     page.get_by_role("tab", name="Race", exact=True).click()
     page.locator("#export").click()

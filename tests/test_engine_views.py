@@ -91,7 +91,7 @@ def test_every_benchmarks_section_names_its_run():
     for section in ("Measured bench", "block-size sweep", "Where the time goes"):
         assert section in src
     line = service.provenance(service.bench_result("smollm2-135m"))
-    assert "gsm8k, mt_bench, 10 prompts each, 128 new tokens, B 8" in line and "fp32 (fast) engine" in line
+    assert "gsm8k, mt_bench, 10 prompts each, 128 new tokens, B 8" in line and "fp32 engine" in line
     sweep = service.provenance(service.block_sweep_result("smollm2-135m"))
     assert "B 4, 6, 8" in sweep and "⚠ measured 2026-12-04" in sweep and "replaced since" in sweep
     ov = figures.overlap_text(service.cost_breakdown("smollm2-135m"))

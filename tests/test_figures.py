@@ -488,6 +488,8 @@ def test_how_it_works_makes_no_unsupported_gpu_claim():
 
     assert "costs a fraction of a verify" not in explain.DEPTH and "about one verify" in explain.DEPTH
     assert "Which τ is which" in explain.WHICH_TAU and "T_step" in explain.WHICH_TAU
+    for term in ("**D3D**", "**DFlash**", "**block diffusion**", "MASK slots", "**teacher forcing**", "**healing**", "Q4_1", "HBM"):
+        assert term in explain.WORDS, term  # the method's words, each explained once
 
 
 def test_economics_bars_add_up_and_flag_instead_of_break_even(traces):
