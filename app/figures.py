@@ -133,9 +133,10 @@ def timeline_figure(traces: list, projected: Optional[str] = None) -> go.Figure:
 
 
 def decode_window(tr: Trace) -> tuple:
-    """(start, end) ms of a trace's decode on its own clock: from the end of the target's prefill for the decode time
-    the trace records (``stats.decode_time_s``, the Race tab's "decode … s"), so every screen's decode is one number."""
-    t0 = min((s.t_end for s in tr.spans if s.kind == "prefill" and s.lane == "target"), default=0.0)
+    """(start, end) ms of a trace's decode on its own clock: from the end of the last prefill (the target's, and a
+    drafter's own where it runs after the target's: d3d-seq's and dflash's) for the decode time the trace records
+    (``stats.decode_time_s``, the Race tab's "decode … s"), so every screen's decode is one number and one window."""
+    t0 = max((s.t_end for s in tr.spans if s.kind == "prefill"), default=0.0)
     dec = tr.stats.decode_time_s * 1e3 if tr.stats is not None and tr.stats.decode_time_s > 0 else \
         max((s.t_end for s in tr.spans), default=t0) - t0
     return t0, t0 + dec

@@ -532,6 +532,26 @@ def test_one_accounting_across_screens(traces, pieces):
             assert sum(1 for z in grid.z if z[1] == figures.STATE_SKIPPED) == ec[tr.mode].skipped
 
 
+def test_the_timelines_idle_is_the_economics_draft_not_hidden_plus_other():
+    """The shipped recorded race (a real bundle's four modes, 163 tokens): the Timeline's target idle is exactly what
+    the Economics section splits as draft not hidden + other, round for round. The decode window starts after the last
+    prefill: d3d-seq's drafter reads the prompt after the target does (35 ms in this race), and a window that started
+    at the target's prefill counted that as idle and dropped the last verify (a fresh reader found 1418.5 against
+    1383.2 ms)."""
+    from d3d_core import service
+    from d3d_core.measure.economics import race_economics
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    df = figures.timeline_summary(trs).set_index("mode")
+    for e in race_economics(trs):
+        v, d, o = e.round_parts_ms()
+        assert abs(df.loc[e.mode]["target idle (ms)"] - (d + o) * e.rounds) <= 0.2, e.mode
+        assert abs(df.loc[e.mode]["decode (ms)"] - e.decode_ms) <= 0.1, e.mode
+    seq = next(t for t in trs if t.mode == "d3d-seq")
+    t0, t1 = figures.decode_window(seq)
+    assert abs(t1 - max(s.t_end for s in seq.spans if s.round >= 0)) < 0.5  # the window ends where the last round does
+
+
 def test_the_pruning_story_is_told_with_the_curves_own_figures():
     """How it works' pruning story reads its numbers from the curves it is given (no fixed figure), says when a curve
     is missing, and gives the deep drafter's why-not only when no layer stays within 99 %."""
