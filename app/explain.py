@@ -84,7 +84,7 @@ at temperature > 0 the match rule or standard rejection sampling keeps the targe
 DFLASH = """
 ### DFlash: a block-diffusion drafter that leans on the target
 The DFlash-style drafter fills all `B-1` masked positions in one pass (block diffusion, one denoising
-step). It is strong because it reads **hidden states of the target** from a few of the target's layers — its
+step). It is well informed because it reads **hidden states of the target** from a few of the target's layers — its
 **feature layers** (5 evenly spaced ones: in the smollm2-135m bundle, target layers 1, 8, 14, 20 and 27 of 30), fused and injected as
 extra keys/values. Its own stack is separate and small: its **drafter layers** (2 in this CPU bundle — the Race
 tab's "2 drafter layers"; 5 in the public Qwen3-8B DFlash drafter the GPU profiles model). But those hidden
@@ -110,7 +110,10 @@ this one. It does not yet know how many drafts will be accepted, so it drafts su
 in **one packed forward** (a 4-D attention mask keeps the hypotheses apart), scored by its own
 probabilities: `P(a, t) ≈ Π_{j≤a} q_j(d_j) · (1 − q_{a+1}(d_{a+1})) · q̃_{a+1}(t)`, where `q_j` is the
 drafter's distribution at block position `j` and `q̃_{a+1}` is `q_{a+1}` with the rejected draft
-`d_{a+1}` removed and renormalised (a rejection means the target chose something else there).
+`d_{a+1}` removed and renormalised (a rejection means the target chose something else there). When every draft is
+accepted (`a = B − 1`) there is no rejected draft: the middle factor drops out and `t` is scored with the drafter's
+extra *lookahead* slot past the block. A low-scored hypothesis can still be the one that hits: the scores rank the
+drafter's guesses, and it is often unsure.
 
 When verify returns `(a*, y)`: a **hit** (some hypothesis equals it) means the next block is already
 drafted and the next verify starts at once; a **miss** costs one synchronous draft, as in `d3d-seq`.

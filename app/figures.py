@@ -756,7 +756,7 @@ def overlap_text(costs: Optional[dict]) -> str:
     ov = (costs or {}).get("overlap")
     if not ov or not ov.get("rows"):
         return ""
-    parts = [f"depth {r['depth']}: draft = {r['draft_per_verify']:.0%} of a verify, d3d-async round "
+    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify's time (each on one thread), d3d-async round "
              f"{r['async_over_seq']:.2f}× as fast as d3d-seq's" for r in ov["rows"]]
     paid = [r for r in ov["rows"] if r["pays"]]
     if not paid:
