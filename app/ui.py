@@ -765,7 +765,8 @@ def build_demo() -> gr.Blocks:
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples (the first is the lesson's), with the τ the shipped D3D drafter measured on each over its first 96 tokens (higher τ: more tokens per target forward)")
+                                    label=("Examples (the first is the lesson's), with the τ the shipped D3D drafter measured on each over its first 96 "
+                                           "tokens (higher τ: more tokens per target forward)"))
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
