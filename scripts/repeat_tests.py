@@ -94,24 +94,30 @@ def run_once(group: str, args: list[str], index: int, runs: int, root: Path = RO
 
 
 def summary(path: Path = LOG) -> str:
+    """One row per group, CPU and commit (a claim of N green runs in a row holds for one commit): runs, green runs,
+    the green streak the latest runs end with, failed tests, load, minutes a run, dates."""
     rows: dict[tuple, list[dict]] = defaultdict(list)
+    sels: dict[str, str] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            rows[(r["group"], r["selection"], r["cpu"])].append(r)
-    out = ["| group | selection | CPU | runs | green runs | tests per run | failed tests | load (1 min) | minutes a run | dates, commits |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for (group, sel, cpu), rs in rows.items():
-        green = sum(r["failed"] == 0 and r["exit"] in (0, 5) for r in rs)
+            rows[(r["group"], r["cpu"], r["commit"])].append(r)
+            sels[r["group"]] = r["selection"]
+    out = ["| group | CPU | commit | runs | green runs | green in a row (latest) | tests per run | failed tests | load (1 min) | minutes a run | dates |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (group, cpu, com), rs in rows.items():
+        ok = [r["failed"] == 0 and r["exit"] in (0, 5) for r in sorted(rs, key=lambda r: r["date"])]
+        streak = next((i for i, g in enumerate(reversed(ok)) if not g), len(ok))
         tests = sorted({r["passed"] + r["failed"] for r in rs})
         fails = sorted({f for r in rs for f in r["failures"]})
         loads = [r["load_before"] for r in rs] + [r["load_after"] for r in rs]
         mins = [r["seconds"] / 60 for r in rs]
         dates = sorted({r["date"][:10] for r in rs})
-        commits = sorted({r["commit"] for r in rs})
-        out.append(f"| {group} | `{sel}` | {cpu} | {len(rs)} | {green} | {'/'.join(map(str, tests))} | "
+        out.append(f"| {group} | {cpu} | {com} | {len(rs)} | {sum(ok)} | {streak} | {'/'.join(map(str, tests))} | "
                    f"{'; '.join(fails) or '—'} | {min(loads):.1f}–{max(loads):.1f} | "
-                   f"{min(mins):.1f}–{max(mins):.1f} | {', '.join(dates)}; {', '.join(commits)} |")
+                   f"{min(mins):.1f}–{max(mins):.1f} | {', '.join(dates)} |")
+    out.append("")
+    out += [f"- `{g}`: `{sel}`" for g, sel in sels.items()]
     return "\n".join(out)
 
 
