@@ -116,8 +116,9 @@ def engines_text(engines: Optional[dict], benches: dict, dataset: str = "gsm8k")
         if s and s.get("tokens_per_s") and alone:
             gaps.append((ENGINE_NAMES.get(e, e), s["tokens_per_s"], alone))
     if gaps:
+        notes = [f"the {ENGINE_NAMES.get(e, e)} bench was {b['note']}" for e, b in benches.items() if b and b.get("note")]
         parts.append("In each engine's bench (the bars), ar runs beside the drafting modes and read "
                      + ", ".join(f"{t:.1f} tok/s on {n} ({t / a - 1:+.0%} against the engines run's {a:.1f})" for n, t, a in gaps)
-                     + " over the same prompts: the bars' speedups are against that bench's own ar, and against ar run alone they "
-                       "would be smaller by that share — why ar reads slower inside a bench is not yet measured")
+                     + " over the same prompts: the bars' speedups are against that bench's own ar, and against ar as fast as the "
+                       "engines run's they would be smaller by that share" + (" (" + "; ".join(notes) + ")" if notes else ""))
     return ". ".join(parts) + "." if parts else ""

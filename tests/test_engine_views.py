@@ -74,7 +74,9 @@ def test_engines_text_names_the_gap_between_the_benchs_ar_and_ar_alone():
                "int4": {"summary": [{"dataset": "average", "mode": "ar", "tokens_per_s": 60.0, "speedup": 1.0}]}}
     text = ev.engines_text(ENGINES, benches)
     assert "20.0 tok/s on fp32 (-20% against the engines run's 25.0)" in text and "60.0 tok/s on int4 (+0% against" in text
-    assert "not yet measured" in text
+    assert "smaller by that share" in text and "bench was" not in text
+    noted = dict(benches, int4=dict(benches["int4"], note="measured at commit abc, before the engine got faster"))
+    assert "(the int4 bench was measured at commit abc, before the engine got faster)" in ev.engines_text(ENGINES, noted)
     assert "against the engines run" not in ev.engines_text(ENGINES, {})
 
 
