@@ -52,7 +52,7 @@ EXAMPLES = [
     ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
      "Please reason step by step.", "math · τ ≈ 1.9"),
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
-    ("What are three good habits for learning a new language? Answer briefly.", "chat — the hard case · τ ≈ 1.2"),
+    ("What are three good habits for learning a new language? Answer briefly.", "chat (hard) · τ ≈ 1.2"),
 ]
 ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
                "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
@@ -748,7 +748,7 @@ def build_demo() -> gr.Blocks:
                             pre_adapt = gr.Button("+ adaptive verify", size="sm", elem_id="preset-adaptive", min_width=110)
                             pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair", min_width=110)
                             recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded", min_width=110)
-                            presenter = gr.Checkbox(False, label="🖥 Presenter view", elem_id="presenter", container=False, min_width=150)
+                            presenter = gr.Checkbox(False, label="🖥 Presenter", elem_id="presenter", container=False, min_width=130)
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
@@ -765,8 +765,7 @@ def build_demo() -> gr.Blocks:
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label=("Examples (the first is the lesson's), with the τ the shipped D3D drafter measured on each over its first 96 "
-                                           "tokens (higher τ: more tokens per target forward)"))
+                                    label="Examples (the first is the lesson's) with the D3D drafter's τ over 96 tokens")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
