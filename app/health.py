@@ -44,17 +44,34 @@ def gradio_temp_dir() -> Path:
     return Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio")
 
 
+OWN_PREFIXES = ("d3d-traces-", "d3d-race-")  # the files temp_path() makes (downloads, exports), and Gradio's copies of them
+
+
 def sweep() -> int:
-    """Remove temp files past ``APP_TEMP_MAX_AGE_S``: the app's downloads and exports, and the stray
-    ``tmp*`` files an upload leaves at the top of Gradio's temp directory (one per upload, beside the
-    hashed copy that Gradio's own ``delete_cache`` removes). Returns how many went."""
+    """Remove temp files past ``APP_TEMP_MAX_AGE_S``: the app's downloads and exports, Gradio's served copies of them
+    (``<gradio temp>/<hash>/d3d-…``), and the stray ``tmp*`` files an upload leaves at the top of Gradio's temp
+    directory (one per upload, beside the hashed copy that Gradio's own ``delete_cache`` removes). Gradio's
+    ``delete_cache`` should remove the served copies too, but in one 400-race soak of ten (2026-12-07, a loaded AMD
+    EPYC) it stopped after about 230 s and 68 copies up to 540 s old were left: so the app removes its own, by name,
+    never another app's files. Returns how many went."""
     now, gone, g = time.time(), 0, gradio_temp_dir()
-    stray = [f for f in g.glob("tmp*") if f.is_file()] if g.is_dir() else []
-    for f in list(temp_dir().iterdir()) + stray:
+    stray, copies = [], []
+    if g.is_dir():
+        for f in g.iterdir():
+            try:
+                if f.is_file() and f.name.startswith("tmp"):
+                    stray.append(f)
+                elif f.is_dir():
+                    copies += [c for c in f.iterdir() if c.name.startswith(OWN_PREFIXES) and c.is_file()]
+            except OSError:
+                pass  # removed meanwhile
+    for f in list(temp_dir().iterdir()) + stray + copies:
         try:
             if now - f.stat().st_mtime > APP_TEMP_MAX_AGE_S:
                 f.unlink()
                 gone += 1
+                if f.parent != g and f.parent.parent == g and not any(f.parent.iterdir()):
+                    f.parent.rmdir()  # the hash directory Gradio made for this copy, now empty
         except OSError:
             pass  # another request removed it first
     return gone

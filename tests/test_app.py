@@ -225,3 +225,28 @@ def test_the_pruning_tab_keeps_its_own_state(toy):
     args = dict(RACE, modes=["ar", "d3d-seq"], max_new_tokens=12, use_pruned=True)
     status = list(ui.run_race(*args.values(), ui.empty_state(), "d3d", "fp32", pstate))[-1][0]
     assert "with D3D layers [0] skipped" in status, status
+
+
+def test_sweep_removes_old_copies_of_the_apps_own_files_and_nothing_else(tmp_path, monkeypatch):
+    """Gradio's served copies of the app's downloads and exports (``<gradio temp>/<hash>/d3d-…``) go once past the
+    temp-file age even if Gradio's own delete_cache stops (it did once in ten soaks); another app's files stay."""
+    import os
+    import time
+
+    from app import health
+
+    g = tmp_path / "gradio"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(g))
+    monkeypatch.setattr(health, "APP_TEMP_MAX_AGE_S", 60)
+    old = time.time() - 120
+    files = {"ours_old": g / "h1" / "d3d-traces-a.json", "race_old": g / "h2" / "d3d-race-b.html", "other_old": g / "h3" / "notes.json",
+             "ours_new": g / "h4" / "d3d-traces-c.json", "stray_old": g / "tmpupload"}
+    for name, f in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x")
+        if name.endswith("old"):
+            os.utime(f, (old, old))
+    assert health.sweep() >= 3
+    assert not files["ours_old"].exists() and not files["race_old"].exists() and not files["stray_old"].exists()
+    assert not (g / "h1").exists() and not (g / "h2").exists()  # their emptied hash directories too
+    assert files["other_old"].exists() and files["ours_new"].exists()
