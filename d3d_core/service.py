@@ -420,7 +420,7 @@ def block_sweep_result(bundle_name: str) -> Optional[dict]:
 
 def block_sweep(bundle_name: str) -> Optional[dict]:
     """{mode: {B: {tau, speedup}}} from a shipped block-size sweep, if any."""
-    d = _asset_json("bench", f"{bundle_name}-block-sweep.json", schema="bench result")
+    d = block_sweep_result(bundle_name)
     return d.get("sweep") if d else None
 
 
