@@ -31,7 +31,7 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 8 tokens costs hardly more than feeding it 1 — speculative decoding exploits exactly that.
 {verdict} Measured on {cpu} ({ver[1]['threads']} threads): one step
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
-{d3d['per_step']:.2f} steps. So a drafting mode needs τ above about
+{d3d['per_step']:.2f} steps (the cost of one one-token step, not a share of a verify). So a drafting mode needs τ above about
 {(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
 block — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. The
 **Timeline** tab's *Economics of this run* shows the break-even τ for your own run, and the **Benchmarks**
@@ -119,6 +119,13 @@ When verify returns `(a*, y)`: a **hit** (some hypothesis equals it) means the n
 drafted and the next verify starts at once; a **miss** costs one synchronous draft, as in `d3d-seq`.
 Either way every token is still verified by the target, so the mode is lossless whatever the hit rate.
 On this CPU the two lanes share two cores (one intra-op thread each); on a GPU they run on two CUDA streams.
+
+**Why d3d-async often loses to d3d-seq here.** Overlap is free only when the drafter runs on hardware the target is
+not using. On two CPU cores both lanes share the cores and the memory bus, so the packed pass slows the verify it runs
+beside (the Timeline tab's caption says by how much in your race), every miss still adds a sync draft, and a drafter
+as cheap as this one (a draft is a fraction of a verify) has little to hide. Overlap pays once a draft costs a large
+share of a verify — the Benchmarks tab's *overlap* section measures where that happens on this CPU — and on a GPU,
+where the two lanes run side by side (the Timeline's GPU clocks and Projections model that; they are not measurements).
 """
 
 MISS = """
@@ -223,6 +230,16 @@ WORDS = """
 | **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
 | **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
 | **bf16, HBM** | a 16-bit float format GPUs compute in; a GPU's high-bandwidth memory (its speed sets a GPU's decode step) |
+| **denoising step** | a diffusion model turns noise (here: MASK slots) into output over one or more passes; each pass is a step, and these drafters take exactly one |
+| **residual stream** | the running vector each layer of a transformer adds its output to; a skipped (pruned) layer adds nothing, so the stream passes through it |
+| **rank-64 adapters** | small trained weight matrices (two thin factors of width 64) added to a frozen layer, instead of training the layer itself |
+| **KV cache, KV writes** | the keys and values each layer computed for earlier tokens, kept so a new token attends to them without recomputing; a *write* stores the new ones |
+| **4-D attention mask** | a mask of shape (batch, heads, queries, keys) saying which positions each position may attend to: it keeps d3d-async's hypotheses apart in one pass |
+| **RoPE** | rotary position embedding: each token's position rotates its query and key vectors |
+| **GEMM, BLAS, oneDNN** | a general matrix multiply (most of a forward's time); BLAS and oneDNN are the CPU libraries torch runs them with |
+| **intra-op thread** | a thread that works inside one operation (e.g. splits a GEMM); d3d-async gives each lane one of the two cores |
+| **CUDA stream** | a GPU work queue; work on two streams can run at the same time, as d3d-async's two lanes would on a GPU |
+| **temperature, rejection sampling** | temperature 0 always takes the most likely token (greedy, the app's default); above 0 it samples. There a draft `d` is kept with probability `min(1, p(d)/q(d))` (target's probability over the drafter's), which keeps the target's own distribution |
 """
 
 QUESTIONS = """
@@ -256,6 +273,7 @@ prompts**, **how they are counted** and **which rounds count**:
 | **τ per drafted round** | Benchmarks histogram | the same bench, drafted rounds only, pooled over the chosen datasets | undrafted rounds left out (higher), datasets pooled (MT-Bench pulls it down) |
 | **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
 | **quoted τ** | this page's text (e.g. 2.20) | one bench run, quoted once | a fixed reference, not re-measured |
+| **T_draft, d3d-seq vs d3d-async** | Race columns, Timeline | mean draft span on the critical path | d3d-seq's draft also writes the tokens the last round committed into the drafter's cache (up to `B` more rows); in d3d-async the packed pass already wrote them, so its sync draft after a miss is a little shorter |
 | **d3d-seq's τ vs d3d-async's** | Race columns | the same drafter, the same prompt | the drafter's int8 layers scale each batch of rows as a whole, and d3d-async drafts in other batches (a packed pass holds several guesses; a miss drafts again), so where the drafter is unsure the two modes guess differently at the same position; once one round accepts a different number of drafts the blocks start at different places and the two τ drift apart — either may be higher. With an fp32 drafter (`D3D_DRAFTER_INT8=off`) both modes draft the same block at every shared position and their τ agree |
 
 The same for time: **T_step** in the race is what `ar` paid per token *in that race* — its forward plus its own

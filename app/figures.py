@@ -221,6 +221,14 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
                              "sharing the cores cannot do: the machine's speed changed between the modes (timing noise)")
             else:
                 parts.append(f"its verify ran about as long as d3d-seq's ({e.t_verify_ms:.0f} vs {seq.t_verify_ms:.0f} ms)")
+        pre = {s.lane: s for s in tr.spans if s.kind == "prefill"}
+        seq_tr = by_mode.get("d3d-seq")
+        seq_pre = next((s for s in seq_tr.spans if s.kind == "prefill" and s.lane == "target"), None) if seq_tr else None
+        if "drafter" in pre and "target" in pre and pre["drafter"].t_start < pre["target"].t_end and not projected:
+            than = (f" (d3d-seq's, alone: {seq_pre.duration:.0f} ms)" if seq_pre is not None else "")
+            parts.append(f"before the decode its drafter prefilled beside the target's prefill (it needs nothing from the "
+                         f"target), so on shared cores the target's prefill took {pre['target'].duration:.0f} ms{than}; "
+                         "the idle share counts from the end of both")
         out.append(f"{head}: " + "; ".join(parts) + "." if parts else head + ".")
     if not out:
         return ""
@@ -359,12 +367,14 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
     if not hists:
         return _empty("Accepted length per round", "No bench result with acceptance histograms for this bundle.")
     pooled: dict = {}
+    per_ds: dict = {}  # {mode: {dataset: drafted rounds}}: what the pool is made of
     for ds, modes in hists.items():
         if dataset not in ("all", ds):
             continue
         for mode, h in modes.items():
             if mode == "ar":
                 continue
+            per_ds.setdefault(mode, {})[ds] = sum(h.values())
             for a, c in h.items():
                 pooled.setdefault(mode, {}).setdefault(int(a), 0)
                 pooled[mode][int(a)] += c
@@ -380,10 +390,17 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
                              marker_color=MODE_COLOURS.get(mode, GREY),
                              hovertemplate=mode + ": %{y:.1%} of drafted rounds committed %{x} tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
+    if len({ds for m in per_ds.values() for ds in m}) > 1:  # a pool of datasets: say what each mode's pool holds
+        mix = "; ".join(f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items())
+        fig.add_annotation(x=0.5, y=1.0, xref="paper", yref="paper", yanchor="bottom", showarrow=False, font=dict(size=11, color=GREY),
+                           text=f"drafted rounds pooled — {mix}.<br>A mode whose draft gate skipped most of a hard dataset's rounds "
+                                "pools mostly easy ones, so pooled τ can rank modes unlike the table's per-dataset τ.")
     fig.update_layout(title=f"Bench · {label}: tokens committed per drafted round, a + 1", barmode="group",
                       xaxis=dict(title="tokens committed: accepted drafts a + the bonus (drafted rounds only)", dtick=1),
                       yaxis=dict(title="share of drafted rounds", tickformat=".0%"),
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
+    if fig.layout.annotations:
+        fig.update_layout(margin=dict(l=10, r=10, t=95, b=40), height=420)
     return fig
 
 
@@ -677,11 +694,11 @@ def diagram_pruning() -> go.Figure:
         skipped = i in (2, 5)
         fig.add_shape(type="rect", x0=i, x1=i + 0.85, y0=0, y1=1, fillcolor="#EEEEEE" if skipped else CYAN,
                       line=dict(color=GREY, dash="dot" if skipped else "solid"))
-        fig.add_annotation(x=i + 0.42, y=0.5, text=("skip" if skipped else f"L{i}"), showarrow=False,
+        fig.add_annotation(x=i + 0.42, y=0.5, text=(f"L{i}<br>skipped" if skipped else f"L{i}"), showarrow=False,
                            font=dict(color=GREY if skipped else "black"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
-    fig.update_layout(title="Pruning drafter layers", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
+    fig.update_layout(title="Pruning drafter layers (an illustration: which layers go is what the Pruning tab measures)", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)
     return fig
 
@@ -756,7 +773,8 @@ def overlap_text(costs: Optional[dict]) -> str:
     ov = (costs or {}).get("overlap")
     if not ov or not ov.get("rows"):
         return ""
-    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify's time (each on one thread), d3d-async round "
+    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify(8)'s time (both on one thread; not the "
+             f"cost table's steps, which are two-thread forwards against a one-token step), d3d-async round "
              f"{r['async_over_seq']:.2f}× as fast as d3d-seq's" for r in ov["rows"]]
     paid = [r for r in ov["rows"] if r["pays"]]
     if not paid:

@@ -37,6 +37,7 @@ CSS = """
 .tok.ar {background: none;}
 .d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
 .d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
+.d3d-badge {font-family: system-ui, sans-serif; font-size: 13px; font-weight: 600; margin-top: 6px; cursor: help;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
 .info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
 /* the presenter view (the 🖥 checkbox, or ?presenter in the address): type a back row can read on a projector */
@@ -123,16 +124,54 @@ def drafter_confound(traces) -> str:
             f"target's hidden states), the D3D drafter {d3d}, so τ and draft cost differ by drafter size too.")
 
 
+def printed_ids(trace: Trace) -> list:
+    """The tokens a finished trace printed: the prefill's first token, then every round's committed tokens."""
+    ids = [trace.first_token] if trace.first_token is not None else []
+    for r in trace.rounds:
+        ids.extend(r.committed)
+    return ids
+
+
+def agreement(trace: Optional[Trace], ar: Optional[Trace]) -> tuple[str, str]:
+    """The "identical output" badge of a finished drafting mode, computed from the tokens: ``(kind, words)`` with kind
+    "same" (every token ar printed, in order), "prefix" (the same over the tokens both printed: one was stopped or
+    cut earlier), "differs" (a different token at some position — never expected at temperature 0 on one engine),
+    "sampled" (temperature > 0: outputs differ by design), or "" where there is nothing to compare."""
+    if trace is None or ar is None or trace.mode == "ar" or not trace.finish_reason or not ar.finish_reason:
+        return "", ""
+    if float(trace.config.get("temperature", 0.0)) > 0 or float(ar.config.get("temperature", 0.0)) > 0:
+        return "sampled", "sampled (temperature > 0): not the same tokens as ar by design, the same distribution"
+    mine, theirs = printed_ids(trace), printed_ids(ar)
+    n = min(len(mine), len(theirs))
+    diff = next((i for i in range(n) if mine[i] != theirs[i]), None)
+    if diff is not None:
+        return "differs", f"differs from ar at token {diff + 1} of {n}"
+    if len(mine) == len(theirs):
+        return "same", f"identical output ✓ (all {n} tokens are ar's)"
+    return "prefix", f"identical ✓ over the {n} tokens both printed (ar {len(theirs)}, {trace.mode} {len(mine)})"
+
+
+def _badge(kind: str, words: str) -> str:
+    colour = {"same": "#117733", "prefix": "#117733", "differs": "#b2182b", "sampled": "#666"}[kind]
+    tip = {"same": "computed from the tokens: this mode printed exactly the tokens ar printed in this race",
+           "prefix": "computed from the tokens: equal as far as both went (a stopped run or a cut ends earlier)",
+           "differs": "computed from the tokens: at temperature 0 on one engine this must not happen",
+           "sampled": "at temperature > 0 each mode samples; the method keeps the target's distribution, not its tokens"}[kind]
+    return f'<div class="d3d-badge" style="color:{colour}" title="{html.escape(tip)}">{html.escape(words)}</div>'
+
+
 def _fmt(v, fmt="{:.2f}") -> str:
     return "–" if v is None else fmt.format(v)
 
 
 def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Optional[float] = None,
-                ar_time_per_token: Optional[float] = None, running: bool = False, econ=None, busy: bool = False) -> str:
+                ar_time_per_token: Optional[float] = None, running: bool = False, econ=None, busy: bool = False,
+                ar: Optional[Trace] = None) -> str:
     """HTML of one race column. ``t_ms``: show the state at that time of the run (replay);
     ``ar_time_per_token``: seconds per token of the ar run, for the speedup counter;
     ``econ``: the run's ``Economics`` (shown under the counters once it has finished); ``busy``: the race ran on a busy
-    machine (``reading.race_load``), so the finished speedup is greyed and struck through, not read."""
+    machine (``reading.race_load``), so the finished speedup is greyed and struck through, not read; ``ar``: the race's ar
+    trace, for the "identical output" badge (``agreement``)."""
     if trace is None:
         return CSS + f'<div class="d3d-col"><div class="d3d-head">{html.escape(mode)}</div><i>waiting…</i></div>'
     mode = trace.mode
@@ -204,7 +243,11 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     )
     foot = ""
     if final:
-        foot = f'<div class="d3d-done">done: {n_tok} tokens, finish = {html.escape(trace.finish_reason)}, decode {st.decode_time_s:.2f} s</div>'
+        foot = (f'<div class="d3d-done">done: {n_tok} tokens, finish = {html.escape(trace.finish_reason)}; the first came '
+                f'from the prefill, the other {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s of decode (tokens/s counts those)</div>')
+        kind, words = agreement(trace, ar)
+        if kind:
+            foot = _badge(kind, words) + foot
         if econ is not None:
             foot += _econ_html(econ)
     elif running:

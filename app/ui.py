@@ -38,7 +38,7 @@ from .spaces_gpu import (
     trace_delta,
     zerogpu_concurrency,
 )
-from .tokens import ar_time_per_token, column_html, drafter_confound, legend_html
+from .tokens import agreement, ar_time_per_token, column_html, drafter_confound, legend_html, printed_ids
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, drafting every round, the drafter as the
 # app runs it: int8 MLPs and head where available; tests/test_shipped.py holds the labels to it within 0.1):
@@ -46,7 +46,7 @@ from .tokens import ar_time_per_token, column_html, drafter_confound, legend_htm
 # arithmetic is where they shine; the chat prompt stays, labelled as the hard case.
 EXAMPLES = [
     ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? "
-     "Please reason step by step.", "math · τ ≈ 2.8"),
+     "Please reason step by step.", "🎓 lesson (math) · τ ≈ 2.8"),
     ("Tom has 5 boxes with 12 pencils in each box. He gives away 17 pencils. How many pencils does he have left? "
      "Please reason step by step.", "math · τ ≈ 2.6"),
     ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
@@ -56,7 +56,8 @@ EXAMPLES = [
 ]
 ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
                "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
-               "is lossless against ar on the same engine; the status says which int4 kernel ran.")
+               "is lossless against ar on the same engine; the status says which int4 kernel ran. The engine is the target's: "
+               "the D3D drafter runs its MLPs and head in int8 on both (a draft only proposes, so this cannot change the output).")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -87,7 +88,7 @@ def _columns(state, running=()) -> list:
     load = race_load(trs) if not running else None
     return [
         column_html(state["traces"].get(m), state["pieces"], m, ar_time_per_token=tpt, running=(m in running),
-                    econ=econ.get(m) if m not in running else None, busy=bool(load and load.busy))
+                    econ=econ.get(m) if m not in running else None, busy=bool(load and load.busy), ar=state["traces"].get("ar"))
         for m in MODES
     ]
 
@@ -127,6 +128,21 @@ def apply_preset(name: str) -> tuple:
     p = lesson.PRESETS[name]
     return (p["prompt"], p["block_size"], p["hypotheses"], p["max_new_tokens"], p["temperature"], p["sampling"], p["seed"],
             p["verify"], p["drafting"], p["engine"], list(MODES), False, lesson.PRESET_NOTES[name])
+
+
+def output_check(state) -> str:
+    """The status's verdict on the tokens, computed from them (``tokens.agreement``): every drafting mode printed
+    exactly ar's tokens, or which did not. "" without ar or without a finished drafting mode."""
+    ar = state["traces"].get("ar")
+    got = {m: agreement(state["traces"].get(m), ar) for m in MODES if m != "ar"}
+    got = {m: g for m, g in got.items() if g[0]}
+    if not got:
+        return ""
+    if all(k == "same" for k, _ in got.values()):
+        return f" · **identical output ✓**: {', '.join(got)} printed exactly ar's {len(printed_ids(ar))} tokens"
+    if all(k == "sampled" for k, _ in got.values()):
+        return " · sampled (temperature > 0): the modes' tokens differ from ar's by design"
+    return " · " + "; ".join(f"{m}: {w}" for m, (_, w) in got.items())
 
 
 def economics_sentences(state) -> str:
@@ -367,6 +383,7 @@ def run_race(prompt, bundle, modes, block_size, temperature, max_new_tokens, hyp
     status = ("**Stopped**" if stopped else "**Done**") + f": {', '.join(ran)}{note} · bundle `{bundle}`"
     if engine == "int4":
         status += f" · int4 GEMM: {info['int4_kernel']}"
+    status += output_check(state)
     if timed_out and budget is not None:
         status += (f" · stopped at the end of the GPU time reserved for this race ({budget.seconds} s, less {MARGIN_S} s kept "
                    "for starting the GPU worker and sending the last update); fewer modes or fewer new tokens fit inside it")
@@ -487,7 +504,8 @@ def load_pruning(bundle, state, drafter="d3d"):
     skips[drafter] = list(default_skip)
     state["skips"] = skips
     per_layer = service.drafter_layer_ms(bundle, drafter)
-    hint = f"Toggle layers off, then the offline τ is re-measured ({len(choices)} layers)."
+    hint = (f"`{drafter}` has {len(choices)} layers (L0–L{len(choices) - 1}). Untick one and its offline τ is measured "
+            "at once, live, on the calibration anchors: the figure appears here and as a point on the curve.")
     if per_layer:
         hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on the machine of the shipped cost breakdown (Benchmarks › Where the time goes; the orange "
                  "dashed line, right axis).")
@@ -656,7 +674,7 @@ def upload_traces(file, state):
         return f"**Could not read that trace:** {e}", no, no, no, no, no, no, state, no
     tl, summ, acc, econ_fig, econ_tab = _plots(state)
     ran = [m for m in MODES if m in state["traces"]]
-    return (f"**Loaded** {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)} — see the Race, Rounds, Timeline and Acceptance tabs.",
+    return (f"**Loaded** {len(trs)} trace(s) from bundle `{trs[0].bundle}`: {', '.join(ran)}{output_check(state)} — see the Race, Rounds, Timeline and Acceptance tabs.",
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
@@ -690,7 +708,7 @@ def open_recorded(bundle, state):
     trs, meta = got
     state.update(bundle=trs[0].bundle, traces={t.mode: t for t in trs}, run=None)
     state["pieces"] = service.pieces(trs[0].bundle, trs)
-    status = recorded_note(meta)
+    status = recorded_note(meta) + output_check(state)
     load = race_load(trs)
     if load is not None:
         status += "\n\n" + load.status()
@@ -731,8 +749,9 @@ def build_demo() -> gr.Blocks:
         gr.Markdown(
             "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
             "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
-            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 they all print the same tokens — "
-            "what differs is how many target forwards and how much waiting it takes."
+            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 they all print the tokens `ar` prints on the "
+            "same engine (each column's *identical output ✓* checks it on your race's tokens) — what differs is how many "
+            "target forwards and how much waiting it takes."
         )
         status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
         with gr.Tabs():
@@ -819,7 +838,10 @@ def build_demo() -> gr.Blocks:
                 with gr.Row():
                     clock = gr.Radio([("as measured (the race's own clock)" if n == service.MEASURED_CLOCK else n, n) for n in service.clock_names()],
                                      value=service.MEASURED_CLOCK, elem_id="clock",
-                                     label="Clock: as measured here, or this run re-timed on other hardware (latency model, projected)")
+                                     label="Clock: as measured (the race's own), or this run re-timed on other hardware (latency model, projected)",
+                                     info="A projected clock keeps this run's rounds (its τ, accepts and hits) and changes only what each forward "
+                                          "costs. (derived): costs computed from a GPU's datasheet (memory bandwidth, FLOP/s) and the model's size, "
+                                          "not measured on that GPU; (scaled): a profile whose costs the what-if sliders multiplied.")
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 # two short sections, one at a time (the page fits a 1000 px screen): both lanes, then what a token cost
@@ -859,7 +881,8 @@ def build_demo() -> gr.Blocks:
             with gr.Tab("Pruning", id="pruning"):
                 gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
                             "on a small calibration set; the curve shows the precomputed greedy progression, and the dashed grey line "
-                            "the 99 % of the full drafter's τ that the D3D preprint keeps while removing 5 of a 36-layer drafter's layers.")
+                            "the 99 % of the full drafter's τ that the D3D preprint keeps while removing 5 of a **36-layer** drafter's layers — "
+                            "a deep drafter's reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
                                           "+ trained rank-64 adapters on the MASK slots — the paper's deep-drafter setting in small.")
@@ -923,7 +946,11 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown("**Latency model check** on the same run: the speedup the model (the *Projections* section) predicts from the "
                                     "measured τ and hit rate, with the costs the run itself paid (mean span times) and, where the bench ran with "
                                     "`--cost-probe`, with separately probed costs (those columns appear only when measured). "
-                                    "The error is (predicted − measured) / measured.")
+                                    "The error is (predicted − measured) / measured.\n\n"
+                                    "**What it checks, and what not.** With the run's own costs it tests the model's *form* — that a round costs "
+                                    "T_draft + T_verify (sequential) or max(T_verify, T_packed) + misses × T_draft (async), and that τ and the "
+                                    "hit rate turn that into a speedup — not any cost figure: a small error says the formula the Projections use "
+                                    "accounts for where this run's time went. The GPU profiles' costs are datasheet-derived and unchecked here.")
                         b_check = gr.Dataframe(v_check, label="Model vs measured speedup", interactive=False)
                     with gr.Tab("Projections", id="bench-projections"):
                         gr.Markdown("**Projected** with the latency model (`d3d_core/measure/latency.py`): sequential round = T_draft + T_verify, async round = "

@@ -109,3 +109,41 @@ def test_presenter_view_is_wired():
     from app.tokens import CSS
 
     assert "body.d3d-presenter .d3d-col" in CSS and "body.d3d-presenter .gradio-container" in CSS
+
+
+def test_identical_output_badge_is_computed_from_the_tokens():
+    """The "identical output ✓" badge and the status's verdict read the tokens themselves: the shipped recorded race
+    gets the badge in every drafting column; a planted wrong token, a stopped (shorter) run and a sampled race each
+    read as what they are."""
+    import dataclasses
+
+    from app.tokens import agreement, column_html, printed_ids
+
+    trs, _ = service.recorded_race(service.app_bundle(), "lesson")
+    by = {t.mode: t for t in trs}
+    ar = by["ar"]
+    n = len(printed_ids(ar))
+    assert printed_ids(ar) == ar.output_ids  # the prefill's token, then every round's committed ones
+    for m in MODES[1:]:
+        assert agreement(by[m], ar) == ("same", f"identical output ✓ (all {n} tokens are ar's)")
+        assert "identical output ✓" in column_html(by[m], {}, m, ar=ar)
+    assert agreement(ar, ar) == ("", "") and agreement(by["d3d-seq"], None) == ("", "")
+    assert "identical output ✓" not in column_html(by["d3d-seq"], {}, "d3d-seq")  # no ar in the race: no badge
+    state = {"traces": by}
+    assert ui.output_check(state) == f" · **identical output ✓**: dflash, d3d-seq, d3d-async printed exactly ar's {n} tokens"
+    # a planted wrong token in round 5 of d3d-seq
+    seq = by["d3d-seq"]
+    r5 = seq.rounds[5]
+    bad = dataclasses.replace(r5, committed=[r5.committed[0] + 1] + list(r5.committed[1:]))
+    planted = dataclasses.replace(seq, rounds=seq.rounds[:5] + [bad] + seq.rounds[6:])
+    pos = 1 + sum(len(r.committed) for r in seq.rounds[:5])
+    kind, words = agreement(planted, ar)
+    assert kind == "differs" and words == f"differs from ar at token {pos + 1} of {n}"
+    assert "d3d-seq: differs from ar" in ui.output_check({"traces": dict(by, **{"d3d-seq": planted})})
+    # a run cut short agrees as far as it went
+    short = dataclasses.replace(seq, rounds=seq.rounds[:10], finish_reason="cancelled")
+    m = len(printed_ids(short))
+    assert agreement(short, ar) == ("prefix", f"identical ✓ over the {m} tokens both printed (ar {n}, d3d-seq {m})")
+    # temperature > 0: not the same tokens by design
+    hot = dataclasses.replace(seq, config=dict(seq.config, temperature=0.7))
+    assert agreement(hot, ar)[0] == "sampled"
