@@ -28,7 +28,7 @@ CSS = """
 .term, .d3d-drafter[title] {text-decoration: underline dotted #999;}
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
 /* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in view) */
-.d3d-text {max-height: 230px; overflow-y: auto;}
+.d3d-text {max-height: 210px; overflow-y: auto;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
 .tok.first {background: #CC79A726; border: 1px solid #CC79A7;}
@@ -89,7 +89,7 @@ def drafter_line(trace: Trace) -> str:
     states at a few *feature* layers of the target — a different count, see How it works)."""
     text = re.sub(r"\b(\d+) layer(s?)\b", r"\1 drafter layer\2", trace.drafter, count=1)
     if trace.mode == "dflash":
-        text += " + hidden states from the target's feature layers"
+        text += " + the target's hidden states"
     return text
 
 
@@ -101,6 +101,9 @@ def drafter_tip(trace: Trace) -> str:
         tips.append(f"{'rank-' + m.group(1) + ' ' if m else ''}adapters: small trained low-rank weight matrices added to the "
                     "target's own frozen layers; they act only on the MASK slots, so draft 1 (read at the anchor) is the "
                     "target's own token")
+    if trace.mode.startswith("d3d") and "adapters" not in (trace.drafter or ""):
+        tips.append("on either engine this drafter runs its MLPs and head in int8 (the Engine choice is the target's): a draft "
+                    "only proposes and the target checks every token, so this cannot change the output")
     if trace.mode == "dflash":
         tips.append("drafter layers: the DFlash drafter's own small stack; feature layers: the target layers whose hidden "
                     "states it reads, available only after each verify")
@@ -147,7 +150,7 @@ def agreement(trace: Optional[Trace], ar: Optional[Trace]) -> tuple[str, str]:
     if diff is not None:
         return "differs", f"differs from ar at token {diff + 1} of {n}"
     if len(mine) == len(theirs):
-        return "same", f"identical output ✓ (all {n} tokens are ar's)"
+        return "same", f"identical output ✓ (all {n} tokens)"
     return "prefix", f"identical ✓ over the {n} tokens both printed (ar {len(theirs)}, {trace.mode} {len(mine)})"
 
 
@@ -243,8 +246,8 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     )
     foot = ""
     if final:
-        foot = (f'<div class="d3d-done">done: {n_tok} tokens, finish = {html.escape(trace.finish_reason)}; the first came '
-                f'from the prefill, the other {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s of decode (tokens/s counts those)</div>')
+        foot = (f'<div class="d3d-done">done: {n_tok} tokens = 1 from the prefill + {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s '
+                f'of decode, finish = {html.escape(trace.finish_reason)}</div>')
         kind, words = agreement(trace, ar)
         if kind:
             foot = _badge(kind, words) + foot

@@ -56,8 +56,7 @@ EXAMPLES = [
 ]
 ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
                "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
-               "is lossless against ar on the same engine; the status says which int4 kernel ran. The engine is the target's: "
-               "the D3D drafter runs its MLPs and head in int8 on both (a draft only proposes, so this cannot change the output).")
+               "is lossless against ar on the same engine; the status says which int4 kernel ran.")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -139,7 +138,7 @@ def output_check(state) -> str:
     if not got:
         return ""
     if all(k == "same" for k, _ in got.values()):
-        return f" · **identical output ✓**: {', '.join(got)} printed exactly ar's {len(printed_ids(ar))} tokens"
+        return f" · **identical output ✓** ({', '.join(got)}: ar's {len(printed_ids(ar))} tokens)"
     if all(k == "sampled" for k, _ in got.values()):
         return " · sampled (temperature > 0): the modes' tokens differ from ar's by design"
     return " · " + "; ".join(f"{m}: {w}" for m, (_, w) in got.items())
@@ -158,11 +157,11 @@ def economics_sentences(state) -> str:
     econ = [e for e in race_economics(trs) if e.sentence()]
     lines = [f"- {e.headline()}" for e in econ]
     note = drafter_confound(trs)
-    out = "\n".join(lines + ([f"- {note}"] if note and lines else []))
-    full = [e.sentence() for e in econ if e.sentence() != e.headline()]
-    if full:  # the part-by-part cost of each round, folded (the Timeline's Economics section draws it)
-        out += ("\n\n<details><summary>What each round cost, part by part</summary>\n\n" + "\n".join(f"- {x}" for x in full)
-                + "\n\n</details>")
+    out = "\n".join(lines)
+    full = [e.sentence() for e in econ if e.sentence() != e.headline()] + ([note] if note and lines else [])
+    if full:  # the part-by-part cost of each round and the drafter-size confound, folded (the Timeline draws the costs)
+        out += ("\n\n<details><summary>What each round cost, part by part (and why dflash vs d3d is not a clean comparison)"
+                "</summary>\n\n" + "\n".join(f"- {x}" for x in full) + "\n\n</details>")
     return out
 
 
@@ -689,7 +688,7 @@ def recorded_note(meta: dict) -> str:
                  "is another spread: over resamplings of this one race's rounds)") if len(seq) > 1 and spread is not None else ""
     return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
             f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
-            "machine's, not this one's; every tab now shows it. Press **▶ Run race** to race live here.")
+            "machine's, not this one's. Press **▶ Run race** to race live here.")
 
 
 def open_recorded(bundle, state):
@@ -749,9 +748,8 @@ def build_demo() -> gr.Blocks:
         gr.Markdown(
             "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
             "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
-            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 they all print the tokens `ar` prints on the "
-            "same engine (each column's *identical output ✓* checks it on your race's tokens) — what differs is how many "
-            "target forwards and how much waiting it takes."
+            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 each prints `ar`'s tokens on the same engine "
+            "(the ✓ under each column checks) — what differs is how many target forwards and how much waiting it takes."
         )
         status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
         with gr.Tabs():

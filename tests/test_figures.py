@@ -527,7 +527,7 @@ def test_one_accounting_across_screens(traces, pieces):
             assert m and f"{m.group(1)}%" == row["target idle (% of decode)"], (tr.mode, cap)
             assert abs(int(m.group(2)) - row["target idle (ms)"]) <= 0.5 + 1e-9
         col = column_html(tr, pieces, tr.mode, econ=ec.get(tr.mode))
-        assert f"in {row['decode (ms)'] / 1e3:.2f} s of decode" in col, tr.mode
+        assert f"in {row['decode (ms)'] / 1e3:.2f} s of decode" in col, tr.mode  # the footer's "… in 8.90 s of decode"
         if row["hit rate"] != "-":
             assert f"hit rate <b>{row['hit rate']}</b>" in col, tr.mode
         grid = figures.rounds_grid_figure(tr, pieces).data[0]

@@ -125,12 +125,12 @@ def test_identical_output_badge_is_computed_from_the_tokens():
     n = len(printed_ids(ar))
     assert printed_ids(ar) == ar.output_ids  # the prefill's token, then every round's committed ones
     for m in MODES[1:]:
-        assert agreement(by[m], ar) == ("same", f"identical output ✓ (all {n} tokens are ar's)")
+        assert agreement(by[m], ar) == ("same", f"identical output ✓ (all {n} tokens)")
         assert "identical output ✓" in column_html(by[m], {}, m, ar=ar)
     assert agreement(ar, ar) == ("", "") and agreement(by["d3d-seq"], None) == ("", "")
     assert "identical output ✓" not in column_html(by["d3d-seq"], {}, "d3d-seq")  # no ar in the race: no badge
     state = {"traces": by}
-    assert ui.output_check(state) == f" · **identical output ✓**: dflash, d3d-seq, d3d-async printed exactly ar's {n} tokens"
+    assert ui.output_check(state) == f" · **identical output ✓** (dflash, d3d-seq, d3d-async: ar's {n} tokens)"
     # a planted wrong token in round 5 of d3d-seq
     seq = by["d3d-seq"]
     r5 = seq.rounds[5]
