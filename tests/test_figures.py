@@ -471,12 +471,13 @@ def test_projection_puts_every_mode_at_its_own_measured_tau():
 
 def test_dflash_layers_are_named_and_the_confound_said():
     from app import explain
-    from app.tokens import drafter_confound, drafter_line
+    from app.tokens import drafter_confound, drafter_line, drafter_tip
     from d3d_core.decoding.trace import Trace
 
     dfl = Trace("dflash", "b", {}, "p", [1], drafter="DFlash drafter, 2 layers")
     d3d = Trace("d3d-seq", "b", {}, "p", [1], drafter="D3D drafter, 8 layers")
-    assert drafter_line(dfl).startswith("DFlash drafter, 2 drafter layers") and "feature layers" in drafter_line(dfl)
+    assert drafter_line(dfl).startswith("DFlash drafter, 2 drafter layers") and "hidden states" in drafter_line(dfl)
+    assert "feature layers" in drafter_tip(dfl)  # its hover names the target layers it reads, a different count
     note = drafter_confound([dfl, d3d])
     assert "2 drafter layers" in note and "8" in note and "not a clean comparison" in note
     assert drafter_confound([d3d]) == ""
