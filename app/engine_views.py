@@ -117,7 +117,8 @@ def engines_text(engines: Optional[dict], benches: dict, dataset: str = "gsm8k")
             gaps.append((ENGINE_NAMES.get(e, e), s["tokens_per_s"], alone))
     if gaps:
         notes = [f"the {ENGINE_NAMES.get(e, e)} bench was {b['note']}" for e, b in benches.items() if b and b.get("note")]
-        parts.append("In each engine's bench (the bars), ar runs beside the drafting modes and read "
+        parts.append(f"In each engine's bench, ar runs beside the drafting modes and read, averaged over the bench's datasets as the "
+                     f"engines run pools them (the bars show {dataset} alone), "
                      + ", ".join(f"{t:.1f} tok/s on {n} ({t / a - 1:+.0%} against the engines run's {a:.1f})" for n, t, a in gaps)
                      + " over the same prompts: the bars' speedups are against that bench's own ar, and against ar as fast as the "
                        "engines run's they would be smaller by that share" + (" (" + "; ".join(notes) + ")" if notes else ""))

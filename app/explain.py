@@ -145,7 +145,7 @@ fine-tune (`python -m d3d_core.training.prune --heal 1`) then trains the remaini
 skipped; a curve made that way marks its healed points as diamonds, measured against the unpruned drafter
 fine-tuned for the same number of steps (the fair reference: a drafter that is not fully trained improves with
 any extra training). A curve made without `--heal` has no diamonds, and the **Pruning** tab says so. What a
-removed layer saves is drawn on the curve too: the draft time saved, in ms, from this machine's cost breakdown. With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
+removed layer saves is drawn on the curve too: the draft time saved, in ms, from the shipped cost breakdown (measured on the CPU the Benchmarks tab names, not necessarily this one). With `--heal-kd α` the pruned drafter also learns the unpruned drafter's block
 distributions (distillation), which kept a little more τ than the target's tokens alone.
 The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): even with
 a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 %" is only settled where
@@ -160,9 +160,10 @@ anchor slot computes exactly what the target computes, so **draft 1 is always th
 the MASK slots learn the rest. On the bench (gsm8k, 128 new tokens, drafting every round) it reaches **τ 3.23**,
 against the default's 2.20.
 But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about one `ar`
-step**, so a round costs a verify *plus* a step. In its bench `d3d-seq` with it was **1.25×** `ar` on gsm8k
+step**, so a round costs a verify *plus* a step. In its bench (a 2-core AMD EPYC with AVX-512, fp32 engine, like the Measured bench) `d3d-seq` with it was **1.25×** `ar` on gsm8k
 (1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
-a verify cannot hide behind it. The default reached 1.69× on gsm8k in its own bench run (drafting every round).
+a verify cannot hide behind it. The default 8-layer drafter reached 1.69× on gsm8k drafting every round in the Measured bench's run (the same
+EPYC; 1.63× with the draft gate, the table's figure).
 Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
 **Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1
 it costs about one verify there too — not a fraction of one. What a GPU can change is the overlap: on its own
@@ -198,9 +199,11 @@ GLOSSARY = """
 | **round** | one draft + one target verify over the block (its time in ms: *round (ms)* below) |
 | **anchor** | the last committed token (the previous round's bonus; in round 0, the token the prefill produced); the block starts with it; its *position* counts the prompt's tokens and every output token before it |
 | **accepted `a`** | length of the longest prefix of drafts equal to the target's tokens |
+| **after the mismatch** | drafts past the first mismatch: the verify computed the target's token there too (its forward reads the whole block), but a draft after a wrong one cannot count, so they are discarded (near-white cells in **Rounds**) |
 | **bonus** | the target's token right after the accepted prefix; the next anchor |
 | **τ (acceptance length)** | mean of `a + 1` over rounds (bonus included) |
 | **tokens/s** | output tokens after the first, divided by decode time (prefill excluded) |
+| **finish** | why a run ended: `eos` (the model printed its end-of-text token: the answer is complete), `length` (it reached *Max new tokens*), `cancelled` (stopped) |
 | **speedup** | AR time per output token ÷ this mode's time per output token, same prompt, same machine |
 | **target fwd** | target forward passes: the prefill plus one verify per round |
 | **hypothesis `(a, t)`** | d3d-async's guess of the verify outcome, drafted ahead during verify |
@@ -213,7 +216,7 @@ GLOSSARY = """
 | **match rule** | the verify rule at temperature > 0 used by default: sample the target's token at every block position and accept drafts while they equal those samples (lossless, simple); *rejection* is standard speculative sampling (accept `d` with probability `min(1, p/q)`), which accepts more often |
 | **T_step** | what `ar` paid per token in the same race: its decode time ÷ its tokens (one step's forward + its own bookkeeping); the yardstick of every "N ar steps", speedup and break-even τ |
 | **T_verify(B), T_draft, T_packed** | mean span of one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
-| **round (ms)** | a round's *time*: a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly |
+| **round (ms)** | a round's *time*: a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly (the columns round them so that the whole ms still add up) |
 | **break-even τ** | round ÷ T_step: the τ at which a mode, with the round costs it paid, would tie `ar` here — the same number as "a round costs N ar steps" |
 | **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
 """
@@ -229,6 +232,13 @@ WORDS = """
 | **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
 | **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
 | **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
+| **int8, int4** | numbers stored in 8 or 4 bits instead of 32: a weight block keeps a scale (and an offset), so the model reads fewer bytes per step; the drafter's int8 layers and the int4 engine both use this |
+| **AVX2, AVX-512, VNNI** | generations of a CPU's vector instructions (how many numbers one instruction multiplies); kernels differ by them, so the app names each figure's CPU |
+| **lookahead slot** | one more MASK slot past the block, read only to score the bonus `t` of the hypothesis "every draft accepted" |
+| **prompt lookup** | a drafter-free speculative method: it drafts by copying the tokens that followed the same n-gram earlier in the context (Hugging Face's and llama.cpp's built-in ones are the Benchmarks' peers) |
+| **paired bootstrap** | an interval for a ratio of τ (pruned ÷ full) from resampling the same prompts for both, so prompt-to-prompt differences cancel |
+| **row plan** | which matrix-multiply routine the engine uses for each number of rows (tokens) in a forward, chosen by measuring them at set-up |
+| **presenter view** | the 🖥 Presenter checkbox (or `?presenter` in the address): larger type for a projector |
 | **bf16, HBM** | a 16-bit float format GPUs compute in; a GPU's high-bandwidth memory (its speed sets a GPU's decode step) |
 | **denoising step** | a diffusion model turns noise (here: MASK slots) into output over one or more passes; each pass is a step, and these drafters take exactly one |
 | **residual stream** | the running vector each layer of a transformer adds its output to; a skipped (pruned) layer adds nothing, so the stream passes through it |
@@ -255,7 +265,7 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why do some rounds have no draft?** | **Rounds** tab: pale blue *no draft* rows are rounds the draft gate skipped — drafting had lately earned less than one token per step of cost, so the round was a plain target step; run with *Drafting: always* (Race tab, under *Verify plan, drafting and sampling*) to compare the tokens/s counters |
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* (the same place) to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (*Where the time goes*) while τ saturates (*Acceptance and block size*) |
-| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the orange dashed line, right axis; from this machine's cost breakdown) |
+| **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the orange dashed line, right axis; from the shipped cost breakdown's CPU, named in Benchmarks) |
 | **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """
@@ -271,6 +281,7 @@ prompts**, **how they are counted** and **which rounds count**:
 | **offline τ, held-out** | Pruning curve (dotted) | the same measurement on prompts never trained or chosen on | the honest offline number: lower |
 | **bench τ** | Benchmarks table | real decoding (10 prompts per dataset, 128 tokens), every round counted | a round the draft gate skipped counts `a + 1 = 1`; the verify plan may cap `a` |
 | **τ per drafted round** | Benchmarks histogram | the same bench, drafted rounds only, pooled over the chosen datasets | undrafted rounds left out (higher), datasets pooled (MT-Bench pulls it down) |
+| **the example chips' τ** | Race tab, *Examples* | d3d-seq, drafting every round, the first 96 new tokens of that prompt | fewer tokens than a full answer: the lesson race runs to the end (176 at most), where the harder tail lowers it |
 | **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
 | **quoted τ** | this page's text (e.g. 2.20) | one bench run, quoted once | a fixed reference, not re-measured |
 | **T_draft, d3d-seq vs d3d-async** | Race columns, Timeline | mean draft span on the critical path | d3d-seq's draft also writes the tokens the last round committed into the drafter's cache (up to `B` more rows); in d3d-async the packed pass already wrote them, so its sync draft after a miss is a little shorter |

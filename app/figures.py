@@ -10,7 +10,6 @@ reused with another meaning (both colour-blind safe).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import pandas as pd
@@ -351,8 +350,9 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Fig
                                  showlegend=False, marker_color=col,
                                  hovertemplate=mode + ", B = %{x}: %{y:.2f}× ar<extra></extra>"), row=1, col=2)
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dot"), row=1, col=2)
+    ticks = sorted({int(b) for pts in sweep.values() for b in pts})  # a tick at every measured B (6 too, not only powers of 2)
     for c in (1, 2):
-        fig.update_xaxes(title_text="block size B", type="log", dtick=math.log10(2), row=1, col=c)
+        fig.update_xaxes(title_text="block size B", type="log", tickvals=ticks, ticktext=[str(b) for b in ticks], row=1, col=c)
     on = f" · {datasets.replace(',', ', ')}" if datasets else ""
     fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}", font=dict(size=15)), height=400,
                       legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=80, b=40),
@@ -391,24 +391,29 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
                              hovertemplate=mode + ": %{y:.1%} of drafted rounds committed %{x} tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
     if len({ds for m in per_ds.values() for ds in m}) > 1:  # a pool of datasets: say what each mode's pool holds
-        mix = "; ".join(f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items())
-        fig.add_annotation(x=0.5, y=1.0, xref="paper", yref="paper", yanchor="bottom", showarrow=False, font=dict(size=11, color=GREY),
-                           text=f"drafted rounds pooled — {mix}.<br>A mode whose draft gate skipped most of a hard dataset's rounds "
-                                "pools mostly easy ones, so pooled τ can rank modes unlike the table's per-dataset τ.")
-    fig.update_layout(title=f"Bench · {label}: tokens committed per drafted round, a + 1", barmode="group",
+        mix = [f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items() if sum(d.values())]
+        lines = ["drafted rounds pooled — " + "; ".join(mix[:2])] + (["; ".join(mix[2:4])] if mix[2:] else []) + \
+                (["; ".join(mix[4:])] if mix[4:] else [])
+        mix = "<br>".join(lines + ["a mode whose draft gate skipped most of a hard dataset's rounds pools mostly easy ones, "
+                                   "so pooled τ can rank modes unlike the table's per-dataset τ"])
+    else:
+        mix = ""
+    fig.update_layout(title=f"Bench · {label}: tokens committed per drafted round, a + 1" + (f"<br><sup>{mix}</sup>" if mix else ""),
+                      barmode="group",
                       xaxis=dict(title="tokens committed: accepted drafts a + the bonus (drafted rounds only)", dtick=1),
                       yaxis=dict(title="share of drafted rounds", tickformat=".0%"),
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
-    if fig.layout.annotations:
-        fig.update_layout(margin=dict(l=10, r=10, t=95, b=40), height=420)
+    if mix:
+        n = mix.count("<br>") + 1
+        fig.update_layout(margin=dict(l=10, r=10, t=60 + 15 * n, b=40), height=380 + 15 * n)
     return fig
 
 
 # ----------------------------------------------------------------------------- rounds grid
 
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
-STATE_NAMES = ["anchor", "accepted", "first mismatch", "unverified", "bonus", "held back (not verified)", "no draft (draft gate)"]
-STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": an unverified draft (near-white: no verdict)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)", "bonus", "held back (not verified)", "no draft (draft gate)"]
+STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": a draft past the first mismatch (near-white: checked, but it cannot count)
 
 
 def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int] = None) -> go.Figure:
@@ -680,7 +685,7 @@ def diagram_d3d_async(costs: Optional[dict] = None) -> go.Figure:
     asy_t = [(d, d + vc, BLUE, f"verify {vc:.0f} ms (shared cores)"), (r2, r2 + vc, BLUE, f"verify {vc:.0f} ms ✓ hit")]
     fig = _blocks_diagram([("d3d-seq · drafter", seq_d), ("d3d-seq · target", seq_t),
                            ("d3d-async · drafter", asy_d), ("d3d-async · target", asy_t)],
-                          f"D3D async vs d3d-seq, measured on the cost breakdown's machine: verify takes {vc:.0f} ms beside the packed pass, {v:.0f} alone"
+                          f"D3D async vs d3d-seq, measured on the cost breakdown's machine: verify takes {vc:.0f} ms beside the packed pass (one thread each), {v:.0f} alone (every thread)"
                           f"<br><sup>cost breakdown's overlap probe: B = {costs['overlap'].get('B', 8)}, H = {costs['overlap'].get('H', 1)}, "
                           "every hypothesis a hit, one thread per lane while both run</sup>", 320)
     fig.update_xaxes(title="time (ms) →", showticklabels=True)
@@ -773,8 +778,8 @@ def overlap_text(costs: Optional[dict]) -> str:
     ov = (costs or {}).get("overlap")
     if not ov or not ov.get("rows"):
         return ""
-    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify(8)'s time (both on one thread; not the "
-             f"cost table's steps, which are two-thread forwards against a one-token step), d3d-async round "
+    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify({ov['B']})'s time (each alone on every thread; "
+             f"a share of a verify, not the cost table's steps, which divide by a one-token step), d3d-async round "
              f"{r['async_over_seq']:.2f}× as fast as d3d-seq's" for r in ov["rows"]]
     paid = [r for r in ov["rows"] if r["pays"]]
     if not paid:
@@ -785,7 +790,8 @@ def overlap_text(costs: Optional[dict]) -> str:
         head = ("**Overlapping paid only at drafter depth " + ", ".join(str(r["depth"]) for r in paid) + "** of "
                 + ", ".join(str(r["depth"]) for r in ov["rows"]))
     return (f"{head} — d3d-async's round against d3d-seq's, not against ar, on the machine named above (B = {ov['B']}, "
-            f"H = {ov['H']}, every hypothesis a hit; the two lanes share two cores, so each runs on one thread): "
+            f"H = {ov['H']}, every hypothesis a hit; untrained fp32 drafters of each depth, since cost depends on depth, not "
+            "training; in the async round the two lanes share the cores, one thread each): "
             + "; ".join(parts) + ". Beating ar still takes a τ above the round's break-even.")
 
 

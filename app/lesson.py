@@ -11,8 +11,10 @@ from d3d_core.decoding.trace import Round
 
 
 def _show(pieces: dict, ids: list, limit: int = 8) -> str:
-    text = "".join(str(pieces.get(t, t)) for t in ids[:limit]).replace("\n", "⏎")
-    return f"“{text}{'…' if len(ids) > limit else ''}”"
+    """Tokens as the reader sees them: one token plain, several separated by " · " so that a token without a
+    leading space (" calculate", "smart") does not read as one word; newlines as ⏎."""
+    text = " · ".join(str(pieces.get(t, t)).strip(" ") or "␣" for t in ids[:limit]).replace("\n", "⏎")
+    return f"“{text}{' …' if len(ids) > limit else ''}”"
 
 
 def round_sentence(r: Round, pieces: dict, mode: str = "") -> str:

@@ -294,16 +294,31 @@ def _term(term: str, shown: str = "") -> str:
     return f'<span class="term"{_tip(term)}>{html.escape(shown or term)}</span>'
 
 
+def whole_ms(total: float, parts) -> tuple:
+    """``total`` and its ``parts`` in whole ms that still add up: the total rounded, each part floored, and the ms
+    left over given to the parts with the largest remainders (largest-remainder rounding), so "40 = 31 + 8 + 0"
+    never reads 39 on screen. Parts that do not sum to ``total`` (beyond float noise) are rounded each on its own."""
+    t = round(total)
+    floors = [int(p // 1) for p in parts]
+    left = t - sum(floors)
+    if abs(sum(parts) - total) > 1e-6 * max(1.0, abs(total)) or not 0 <= left <= len(parts):
+        return t, [round(p) for p in parts]
+    order = sorted(range(len(parts)), key=lambda i: parts[i] - floors[i], reverse=True)
+    for i in order[:left]:
+        floors[i] += 1
+    return t, floors
+
+
 def _econ_html(e) -> str:
     """The run's economics in three short lines (ms from its own spans): per token and per round, each the sum of
     verify + draft not hidden + other, and break-even τ = round / T_step (T_step: ar's time per token in this race).
     Each term carries its meaning as hover text."""
-    parts = f"{_term('verify')} {{:.0f}} + {_term('draft not hidden')} {{:.0f}} + {_term('other')} {{:.0f}}"
-    lines = [f"{_term('per token')} <b>{e.per_token_ms:.0f} ms</b> = "
-             + parts.format(e.verify_per_token_ms, e.draft_visible_per_token_ms, e.idle_per_token_ms)]
+    parts = f"{_term('verify')} {{}} + {_term('draft not hidden')} {{}} + {_term('other')} {{}}"
+    t, p = whole_ms(e.per_token_ms, [e.verify_per_token_ms, e.draft_visible_per_token_ms, e.idle_per_token_ms])
+    lines = [f"{_term('per token')} <b>{t} ms</b> = " + parts.format(*p)]
     if e.mode != "ar":
-        v, d, o = e.round_parts_ms()
-        lines.append(f"{_term('round')} {e.round_ms:.0f} ms = " + parts.format(v, d, o))
+        t, p = whole_ms(e.round_ms, list(e.round_parts_ms()))
+        lines.append(f"{_term('round')} {t} ms = " + parts.format(*p))
         c = f"{_term('T_verify')} {e.t_verify_ms:.0f} ms"
         if e.t_draft_ms is not None:
             c += f" · {_term('T_draft')} {e.t_draft_ms:.0f}"
@@ -313,6 +328,6 @@ def _econ_html(e) -> str:
         if e.flags:
             lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))
         elif e.break_even_tau is not None:
-            lines.append(f"{_term('break-even τ')} = round {e.round_ms:.0f} / {_term('T_step')} {e.t_step_ms:.0f} ms = "
+            lines.append(f"{_term('break-even τ')} = round {e.round_ms:.1f} / {_term('T_step')} {e.t_step_ms:.1f} ms = "
                          f"<b>{e.break_even_tau:.2f}</b> (τ here {e.tau:.2f})")
     return '<div class="d3d-done d3d-econ">' + "<br>".join(lines) + "</div>"

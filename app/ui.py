@@ -479,7 +479,7 @@ def pruning_drafters(bundle) -> list:
 
 
 def _economics_note(bundle, drafter, skip, per_layer) -> str:
-    """What removing these layers saves per draft on this machine (the shipped cost breakdown's per-layer figure), and
+    """What removing these layers saves per draft on the machine of the shipped cost breakdown's per-layer figure), and
     what that is of the draft; "" where no per-layer figure is shipped for this drafter."""
     if not per_layer or not skip:
         return ""
@@ -782,7 +782,7 @@ def build_demo() -> gr.Blocks:
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples (the first is the lesson's) with the D3D drafter's τ over 96 tokens")
+                                    label="Examples (the first is the lesson's), each with d3d-seq's τ over its first 96 tokens (a longer race reads another τ)")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
@@ -839,7 +839,7 @@ def build_demo() -> gr.Blocks:
                                      label="Clock: as measured (the race's own), or this run re-timed on other hardware (latency model, projected)",
                                      info="A projected clock keeps this run's rounds (its τ, accepts and hits) and changes only what each forward "
                                           "costs. (derived): costs computed from a GPU's datasheet (memory bandwidth, FLOP/s) and the model's size, "
-                                          "not measured on that GPU; (scaled): a profile whose costs the what-if sliders multiplied.")
+                                          "not measured on that GPU; (scaled): a profile whose costs the what-if sliders of Benchmarks › Projections multiplied.")
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 # two short sections, one at a time (the page fits a 1000 px screen): both lanes, then what a token cost
@@ -954,7 +954,9 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown("**Projected** with the latency model (`d3d_core/measure/latency.py`): sequential round = T_draft + T_verify, async round = "
                                     "max(T_verify, T_packed) + miss rate × T_draft (verify and packed pass each slowed by the contention the probe "
                                     "measured when they run together, where a profile has it), per-token time = round / τ. These are model-based numbers, "
-                                    "not measurements; each cost profile states its source and assumptions.")
+                                    "not measurements; each cost profile states its source and assumptions. The τ and hit rate are this "
+                                    "bundle's (135 M target, its small drafters): a projection answers *what would these rounds cost on that "
+                                    "hardware*, not *what speedup would that model get* — an 8B target with its own drafters has its own τ.")
                         with gr.Row():
                             pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1],
                                                      label="Cost profile (“measured”: timed on that machine, a GPU by scripts/gpu_check.py; "

@@ -236,8 +236,8 @@ def test_bench_acceptance_figure_pools_or_picks_a_dataset():
     g = figures.bench_acceptance_figure(result, "gsm8k")
     assert [d.name.split(" ")[0] for d in g.data] == ["d3d-seq"] and list(g.data[0].y) == [0.5, 0, 0, 0.5]
     # a pool of datasets says what each mode's pool holds (a gate that skipped a hard dataset's rounds skews it)
-    mix = f.layout.annotations[0].text
-    assert "d3d-seq: gsm8k 4, mbpp 4" in mix and "dflash: mbpp 1" in mix and not g.layout.annotations
+    mix = f.layout.title.text
+    assert "d3d-seq: gsm8k 4, mbpp 4" in mix and "dflash: mbpp 1" in mix and "pooled" not in g.layout.title.text
     assert figures.bench_acceptance_figure(None).layout.annotations
     assert figures.bench_acceptance_figure(result, "aime25").layout.annotations
 
@@ -575,3 +575,24 @@ def test_the_pruning_story_is_told_with_the_curves_own_figures():
     s2 = pruning_story(shallow, kept)
     assert "**1** layer can go within 99 %" in s2 and "Why the deep drafter" not in s2 and "1 of 30 go within 99 %" in s2
     assert "no pruning curve is shipped (`python -m d3d_core.training.prune --drafter d3d-deep`)" in pruning_story(shallow, None)
+
+
+def test_column_costs_add_up_as_printed(traces, pieces):
+    """The column's "per token 40 ms = verify 31 + draft not hidden 8 + other 0" must add up as printed (a student checks
+    it by hand): whole ms by largest-remainder rounding, on every mode of a recorded race."""
+    import re
+
+    from app.tokens import column_html, whole_ms
+    from d3d_core.measure.economics import race_economics
+
+    assert whole_ms(39.6, [30.6, 8.6, 0.4]) == (40, [31, 9, 0])  # each rounded alone: 31 + 9 + 0 = 40 too; 30.6+8.4 cases below
+    assert whole_ms(39.5, [30.5, 8.5, 0.5]) == (40, [31, 9, 0])  # alone: 30 + 8 + 0 (half to even) = 38
+    assert whole_ms(100.83, [79.22, 21.46, 0.15]) == (101, [79, 22, 0])
+    assert whole_ms(10.0, [3.0, 3.0, 3.0]) == (10, [3, 3, 3])  # parts that do not sum to the total: rounded alone
+    ec = {e.mode: e for e in race_economics(traces)}
+    for tr in traces:
+        col = re.sub(r"<[^>]+>", "", column_html(tr, pieces, tr.mode, econ=ec.get(tr.mode)))
+        sums = re.findall(r"(?:per token|round) (\d+) ms = verify (\d+) \+ draft not hidden (\d+) \+ other (\d+)", col)
+        assert sums, (tr.mode, col[-400:])
+        for total, *parts in sums:
+            assert int(total) == sum(map(int, parts)), (tr.mode, total, parts)

@@ -169,5 +169,7 @@ def test_a_measured_gpu_profile_is_offered_before_the_assumed_ones_everywhere(tm
         from app.ui import project_speedups
 
         fig, src = project_speedups(p.name, 8, 1.0, 0.5, 2, 1.0, 1.0, 1.0)
+        assert src.startswith(f"**{p.name}** — source: measured")  # sliders at 1: the profile itself, not "(scaled)"
+        fig, src = project_speedups(p.name, 8, 1.0, 0.5, 2, 1.5, 1.0, 1.0)
         assert src.startswith(f"**{p.name} (scaled)** — source: measured")  # the what-if sliders scale a copy
     assert p.name not in service.cost_profiles()

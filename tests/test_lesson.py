@@ -41,8 +41,8 @@ def test_the_three_kinds_of_round_and_the_skipped_one():
     p = {i: chr(96 + i) for i in range(1, 27)}
     base = Round(0, 5, 1, [2, 3, 4], [0.9, 0.5, 0.2], [2, 3, 9, 10], 2, 9, [2, 3, 9])
     s = lesson.round_sentence(base, p, "d3d-seq")
-    assert "“bcd”" in s and "“bcij”" in s and "The first 2 guesses match" in s and "guess 3, “d”, differs from the target's “i”" in s
-    assert "3 tokens committed, “bci”" in s and "(ar needs 3)" in s
+    assert "“b · c · d”" in s and "“b · c · i · j”" in s and "The first 2 guesses match" in s and "guess 3, “d”, differs from the target's “i”" in s
+    assert "3 tokens committed, “b · c · i”" in s and "(ar needs 3)" in s
     allr = dataclasses.replace(base, target_ids=[2, 3, 4, 10], accepted=3, bonus=10, committed=[2, 3, 4, 10])
     assert "All 3 guesses match" in lesson.round_sentence(allr, p, "dflash") and "“j”" in lesson.round_sentence(allr, p, "dflash")
     none = dataclasses.replace(base, target_ids=[7, 3, 4, 10], accepted=0, bonus=7, committed=[7])

@@ -65,7 +65,10 @@ class CostProfile:
         raise AssertionError("unreachable")
 
     def scaled(self, verify=1.0, draft=1.0, packed=1.0) -> "CostProfile":
-        """The same profile with verify / draft / packed costs multiplied (what-if sliders)."""
+        """The same profile with verify / draft / packed costs multiplied (what-if sliders); named "(scaled)" only when
+        a multiplier is not 1 (at 1, 1, 1 it is the profile itself)."""
+        if (verify, draft, packed) == (1.0, 1.0, 1.0):
+            return self
         return replace(
             self,
             name=self.name + " (scaled)",
