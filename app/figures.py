@@ -394,7 +394,7 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
         mix = [f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items() if sum(d.values())]
         lines = ["drafted rounds pooled — " + "; ".join(mix[:2])] + (["; ".join(mix[2:4])] if mix[2:] else []) + \
                 (["; ".join(mix[4:])] if mix[4:] else [])
-        mix = "<br>".join(lines + ["a mode whose draft gate skipped most of a hard dataset's rounds pools mostly easy ones, "
+        mix = "<br>".join(lines + ["a mode whose draft gate skipped most of a hard dataset's rounds pools mostly easy ones,",
                                    "so pooled τ can rank modes unlike the table's per-dataset τ"])
     else:
         mix = ""
