@@ -284,9 +284,25 @@ def thread_census(demo=None) -> dict:
             "pool_max": thread_pools(demo)}
 
 
-def _fd_kind(link: str, sock: Optional[str]) -> str:
+def _unlisted_socket_kind(fd: int) -> str:
+    """A socket fd the connection table did not list (it was made, or connected, between that read and the fd scan, or
+    is not connected yet): a stream socket of IPv4/IPv6 is a TCP connection being opened ("tcp-open": a client's or
+    an accepted one, within the clients' bound), anything else (a datagram socket of a name lookup, a netlink one) is
+    "socket-other". The socket type is read from the fd itself, without closing or changing it."""
+    try:
+        s = socket.socket(fileno=fd)  # reads the family and type with getsockopt; no dup
+    except OSError:  # closed meanwhile
+        return "socket-other"
+    try:
+        inet = s.family in (socket.AF_INET, getattr(socket, "AF_INET6", -1))
+        return "tcp-open" if inet and s.type == socket.SOCK_STREAM else "socket-other"
+    finally:
+        s.detach()  # the fd stays open and belongs to its owner
+
+
+def _fd_kind(link: str, sock: Optional[str], fd: Optional[int] = None) -> str:
     if link.startswith("socket:"):
-        return sock or "socket-other"
+        return sock or (_unlisted_socket_kind(fd) if fd is not None else "socket-other")
     if link.startswith("pipe:"):
         return "pipe"
     if link.startswith("anon_inode:"):
@@ -331,7 +347,7 @@ def fd_census() -> Optional[dict]:
             link = os.readlink(f"{fd_dir}/{name}")
         except OSError:  # closed between the listing and the read
             continue
-        kind = _fd_kind(link, sock.get(int(name)))
+        kind = _fd_kind(link, sock.get(int(name)), int(name))
         out[kind] = out.get(kind, 0) + 1
     return out
 

@@ -422,7 +422,7 @@ FD_BOUNDS = {            # fixed kinds: what the served app holds however long i
     "unix": 8,           # the event loop's self-pipe socket pairs
     "pipe": 8, "anon-inode": 8,  # epoll / eventfd of the event loop and of the kernel libraries
     "dev": 4, "file": 8,  # stdin/out/err (redirected to the log), /dev/null, a temp file being written
-    "socket-other": 4, "other": 4,  # datagram sockets of a name lookup
+    "socket-other": 4, "other": 4,  # datagram / netlink sockets of a name lookup (a TCP socket the table missed is tcp-open)
 }
 
 
