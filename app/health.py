@@ -289,8 +289,10 @@ def _unlisted_socket_kind(fd: int) -> str:
     is not connected yet): a stream socket of IPv4/IPv6 is a TCP connection being opened ("tcp-open": a client's or
     an accepted one, within the clients' bound), anything else (a datagram socket of a name lookup, a netlink one) is
     "socket-other". The socket type is read from the fd itself, without closing or changing it."""
+    if socket.getdefaulttimeout() is not None:  # then wrapping the fd would make its owner's socket non-blocking
+        return "socket-other"
     try:
-        s = socket.socket(fileno=fd)  # reads the family and type with getsockopt; no dup
+        s = socket.socket(fileno=fd)  # reads the family and type with getsockopt; no dup, flags untouched
     except OSError:  # closed meanwhile
         return "socket-other"
     try:
