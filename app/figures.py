@@ -391,11 +391,11 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
                              hovertemplate=mode + ": %{y:.1%} of drafted rounds committed %{x} tokens<extra></extra>"))
     label = "all datasets" if dataset == "all" else dataset
     if len({ds for m in per_ds.values() for ds in m}) > 1:  # a pool of datasets: say what each mode's pool holds
-        mix = [f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items() if sum(d.values())]
-        lines = ["drafted rounds pooled — " + "; ".join(mix[:2])] + (["; ".join(mix[2:4])] if mix[2:] else []) + \
-                (["; ".join(mix[4:])] if mix[4:] else [])
-        mix = "<br>".join(lines + ["a mode whose draft gate skipped most of a hard dataset's rounds pools mostly easy ones,",
-                                   "so pooled τ can rank modes unlike the table's per-dataset τ"])
+        pools = [f"{m}: " + ", ".join(f"{ds} {c}" for ds, c in sorted(d.items())) for m, d in per_ds.items() if sum(d.values())]
+        lines = ["; ".join(pools[i:i + 2]) for i in range(0, len(pools), 2)] or [""]  # two modes a line: fits a half-width chart
+        mix = "<br>".join(["drafted rounds pooled — " + lines[0]] + lines[1:] +
+                          ["a mode whose draft gate skipped most of a hard dataset's rounds pools mostly easy ones,",
+                           "so pooled τ can rank modes unlike the table's per-dataset τ"])
     else:
         mix = ""
     fig.update_layout(title=f"Bench · {label}: tokens committed per drafted round, a + 1" + (f"<br><sup>{mix}</sup>" if mix else ""),

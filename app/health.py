@@ -302,9 +302,9 @@ def _unlisted_socket_kind(fd: int) -> str:
         s.detach()  # the fd stays open and belongs to its owner
 
 
-def _fd_kind(link: str, sock: Optional[str], fd: Optional[int] = None) -> str:
+def _fd_kind(link: str, sock: Optional[str], fd: int) -> str:
     if link.startswith("socket:"):
-        return sock or (_unlisted_socket_kind(fd) if fd is not None else "socket-other")
+        return sock or _unlisted_socket_kind(fd)
     if link.startswith("pipe:"):
         return "pipe"
     if link.startswith("anon_inode:"):

@@ -127,24 +127,18 @@ def drafter_confound(traces) -> str:
             f"target's hidden states), the D3D drafter {d3d}, so τ and draft cost differ by drafter size too.")
 
 
-def printed_ids(trace: Trace) -> list:
-    """The tokens a finished trace printed: the prefill's first token, then every round's committed tokens."""
-    ids = [trace.first_token] if trace.first_token is not None else []
-    for r in trace.rounds:
-        ids.extend(r.committed)
-    return ids
-
-
 def agreement(trace: Optional[Trace], ar: Optional[Trace]) -> tuple[str, str]:
     """The "identical output" badge of a finished drafting mode, computed from the tokens: ``(kind, words)`` with kind
     "same" (every token ar printed, in order), "prefix" (the same over the tokens both printed: one was stopped or
     cut earlier), "differs" (a different token at some position — never expected at temperature 0 on one engine),
-    "sampled" (temperature > 0: outputs differ by design), or "" where there is nothing to compare."""
-    if trace is None or ar is None or trace.mode == "ar" or not trace.finish_reason or not ar.finish_reason:
+    "sampled" (temperature > 0: outputs differ by design), or "" where there is nothing to compare. The tokens are each
+    trace's ``output_ids`` (the prefill's token, then every round's committed ones)."""
+    if (trace is None or ar is None or trace.mode == "ar" or not trace.finish_reason or not ar.finish_reason
+            or not trace.output_ids or not ar.output_ids):
         return "", ""
     if float(trace.config.get("temperature", 0.0)) > 0 or float(ar.config.get("temperature", 0.0)) > 0:
         return "sampled", "sampled (temperature > 0): not the same tokens as ar by design, the same distribution"
-    mine, theirs = printed_ids(trace), printed_ids(ar)
+    mine, theirs = trace.output_ids, ar.output_ids
     n = min(len(mine), len(theirs))
     diff = next((i for i in range(n) if mine[i] != theirs[i]), None)
     if diff is not None:

@@ -38,7 +38,7 @@ from .spaces_gpu import (
     trace_delta,
     zerogpu_concurrency,
 )
-from .tokens import agreement, ar_time_per_token, column_html, drafter_confound, legend_html, printed_ids
+from .tokens import agreement, ar_time_per_token, column_html, drafter_confound, legend_html
 
 # Picked by measured τ on the shipped bundle (d3d-seq, B = 8, 96 new tokens, drafting every round, the drafter as the
 # app runs it: int8 MLPs and head where available; tests/test_shipped.py holds the labels to it within 0.1):
@@ -138,7 +138,7 @@ def output_check(state) -> str:
     if not got:
         return ""
     if all(k == "same" for k, _ in got.values()):
-        return f" · **identical output ✓** ({', '.join(got)}: ar's {len(printed_ids(ar))} tokens)"
+        return f" · **identical output ✓** ({', '.join(got)}: ar's {len(ar.output_ids)} tokens)"
     if all(k == "sampled" for k, _ in got.values()):
         return " · sampled (temperature > 0): the modes' tokens differ from ar's by design"
     return " · " + "; ".join(f"{m}: {w}" for m, (_, w) in got.items())

@@ -117,13 +117,13 @@ def test_identical_output_badge_is_computed_from_the_tokens():
     read as what they are."""
     import dataclasses
 
-    from app.tokens import agreement, column_html, printed_ids
+    from app.tokens import agreement, column_html
 
     trs, _ = service.recorded_race(service.app_bundle(), "lesson")
     by = {t.mode: t for t in trs}
     ar = by["ar"]
-    n = len(printed_ids(ar))
-    assert printed_ids(ar) == ar.output_ids  # the prefill's token, then every round's committed ones
+    n = len(ar.output_ids)
+    assert ar.output_ids == [ar.first_token] + [t for r in ar.rounds for t in r.committed]  # what the badge compares
     for m in MODES[1:]:
         assert agreement(by[m], ar) == ("same", f"identical output ✓ (all {n} tokens)")
         assert "identical output ✓" in column_html(by[m], {}, m, ar=ar)
@@ -134,15 +134,17 @@ def test_identical_output_badge_is_computed_from_the_tokens():
     # a planted wrong token in round 5 of d3d-seq
     seq = by["d3d-seq"]
     r5 = seq.rounds[5]
+    pos = 1 + sum(len(r.committed) for r in seq.rounds[:5])  # its first committed token's index in the output
     bad = dataclasses.replace(r5, committed=[r5.committed[0] + 1] + list(r5.committed[1:]))
-    planted = dataclasses.replace(seq, rounds=seq.rounds[:5] + [bad] + seq.rounds[6:])
-    pos = 1 + sum(len(r.committed) for r in seq.rounds[:5])
+    ids = list(seq.output_ids)
+    ids[pos] += 1
+    planted = dataclasses.replace(seq, rounds=seq.rounds[:5] + [bad] + seq.rounds[6:], output_ids=ids)
     kind, words = agreement(planted, ar)
     assert kind == "differs" and words == f"differs from ar at token {pos + 1} of {n}"
     assert "d3d-seq: differs from ar" in ui.output_check({"traces": dict(by, **{"d3d-seq": planted})})
     # a run cut short agrees as far as it went
-    short = dataclasses.replace(seq, rounds=seq.rounds[:10], finish_reason="cancelled")
-    m = len(printed_ids(short))
+    m = 1 + sum(len(r.committed) for r in seq.rounds[:10])
+    short = dataclasses.replace(seq, rounds=seq.rounds[:10], output_ids=seq.output_ids[:m], finish_reason="cancelled")
     assert agreement(short, ar) == ("prefix", f"identical ✓ over the {m} tokens both printed (ar {n}, d3d-seq {m})")
     # temperature > 0: not the same tokens by design
     hot = dataclasses.replace(seq, config=dict(seq.config, temperature=0.7))
