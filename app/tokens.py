@@ -27,8 +27,9 @@ CSS = """
 .d3d-stats span[title], .d3d-drafter[title], .term {cursor: help;}
 .term, .d3d-drafter[title] {text-decoration: underline dotted #999;}
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
-/* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in view) */
-.d3d-text {max-height: 210px; overflow-y: auto;}
+/* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in
+   view); column-reverse keeps the newest tokens in view while it streams and the answer's end in view when it is done */
+.d3d-text {max-height: 210px; overflow-y: auto; display: flex; flex-direction: column-reverse;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
 .tok.first {background: #CC79A726; border: 1px solid #CC79A7;}
@@ -60,9 +61,10 @@ def legend_html() -> str:
         '<div class="d3d-legend"><span>Legend:</span>'
         '<span><span class="tok acc">accepted</span> accepted draft</span>'
         '<span><span class="tok bonus">bonus</span> bonus / corrected token (from the target)</span>'
-        '<span><span class="tok rej">rejected</span> rejected draft (struck through)</span>'
+        '<span><span class="tok rej">rejected</span> rejected draft</span>'
         '<span><span class="tok pend">pending</span> drafted, not yet verified</span>'
         '<span><span class="tok first">first</span> first token (from prefill)</span>'
+        '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
         "</div>"
     )
 
@@ -241,7 +243,8 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     foot = ""
     if final:
         foot = (f'<div class="d3d-done">done: {n_tok} tokens = 1 from the prefill + {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s '
-                f'of decode, finish = {html.escape(trace.finish_reason)}</div>')
+                f'of decode, <span class="term" title="{html.escape(FINISH_WORDS.get(trace.finish_reason, ""))}">'
+                f'finish = {html.escape(trace.finish_reason)}</span></div>')
         kind, words = agreement(trace, ar)
         if kind:
             foot = _badge(kind, words) + foot
@@ -252,8 +255,14 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     return (
         CSS + f'<div class="d3d-col" aria-label="{html.escape(mode)} output"><div class="d3d-head">{html.escape(mode)}</div>'
         + (f'<div class="d3d-drafter"{drafter_tip(trace)}>{html.escape(drafter_line(trace))}</div>' if trace.drafter else "") +
-        f'<div class="d3d-stats">{stats}</div><div class="d3d-text">{"".join(parts)}</div>{foot}</div>'
+        f'<div class="d3d-stats">{stats}</div><div class="d3d-text" title="the newest tokens stay in view; scroll up for the start">'
+        f'<div>{"".join(parts)}</div></div>{foot}</div>'
     )
+
+
+# why a run ended, in words beside its code (the Trace's finish_reason)
+FINISH_WORDS = {"eos": "eos (the model ended its answer)", "length": "length (the token limit)",
+                "cancelled": "cancelled (stopped)", "context": "context (the context window is full)"}
 
 
 # what each number under a column means, shown on hover (the glossary of How it works has the long form)

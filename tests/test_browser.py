@@ -178,6 +178,13 @@ def test_recorded_race_opens_at_once_and_presenter_view(server, page):
     assert len(set(done.values())) == 1, done
     h = _page_height(page)  # the default race at full length (176 tokens), not a shortened one
     assert h <= PAGE_MAX_PX, f"the Race tab after the recorded default race is {h} px tall at 1500 x 1000"
+    # a long answer scrolls inside its box with its end in view (the answer), not its start
+    end_in_view = """m => { const box = document.querySelector('#col-' + m + ' .d3d-text'); const toks = box.querySelectorAll('.tok');
+        const b = box.getBoundingClientRect(), t = toks[toks.length - 1].getBoundingClientRect(), f = toks[0].getBoundingClientRect();
+        return [box.scrollHeight > box.clientHeight, t.bottom <= b.bottom + 1 && t.top >= b.top - 1, f.top < b.top]; }"""
+    for m in ("ar", "d3d-seq"):
+        overflows, last_seen, first_hidden = page.evaluate(end_in_view, m)
+        assert overflows and last_seen and first_hidden, (m, overflows, last_seen, first_hidden)
     page.get_by_role("tab", name="Rounds").click()
     page.get_by_text("Round 0", exact=False).first.wait_for(timeout=20_000)
     assert page.get_by_text("Run a race first", exact=False).count() == 0
