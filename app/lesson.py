@@ -13,7 +13,7 @@ from d3d_core.decoding.trace import Round
 def _show(pieces: dict, ids: list, limit: int = 8) -> str:
     """Tokens as the reader sees them: one token plain, several separated by " · " so that a token without a
     leading space (" calculate", "smart") does not read as one word; newlines as ⏎."""
-    text = " · ".join(str(pieces.get(t, t)).strip(" ") or "␣" for t in ids[:limit]).replace("\n", "⏎")
+    text = " · ".join(str(pieces.get(t, t)).strip(" ") or "␣" for t in ids[:limit]).replace("\n", "⏎\u2009").replace("\u2009 ", " ").rstrip("\u2009")
     return f"“{text}{' …' if len(ids) > limit else ''}”"
 
 
