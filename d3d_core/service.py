@@ -497,9 +497,15 @@ def clock_assumptions(clock: str) -> str:
 def engine_runs(bundle_name: str) -> tuple:
     """(engines run, {engine: bench result}) shipped for the bundle: ``python -m d3d_core.measure.engines``
     (assets/bench/<name>-engines.json: ar on each engine and llama.cpp, one run) and a bench per engine
-    (<name>-fp32.json, <name>-int4.json: every mode on that engine, one run each), each None when absent."""
+    (<name>-fp32.json, <name>-int4.json: every mode on that engine, one run each), each None when absent. Without a
+    separate fp32 bench, the Measured bench (<name>.json) is the fp32 one when it ran on the fp32 engine: one run, so
+    the Measured bench and Engines tabs print the same figures."""
     engines = _asset_json("bench", f"{bundle_name}-engines.json")
     benches = {e: _asset_json("bench", f"{bundle_name}-{n}.json", schema="bench result") for e, n in (("fast", "fp32"), ("int4", "int4"))}
+    measured = bench_result(bundle_name) if benches["fast"] is None else None
+    eng = (measured or {}).get("engine")
+    if measured and (eng.get("target") if isinstance(eng, dict) else eng) == "fast":
+        benches["fast"] = measured
     return engines, {e: b for e, b in benches.items() if b}
 
 
@@ -517,7 +523,10 @@ def provenance(result: Optional[dict]) -> str:
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
     eng = {"fast": "fp32"}.get(eng, eng)
-    line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}** ({m.get('torch_threads', '?')} threads"
+    line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}**"
+    if m.get("date"):  # recorded by runs since 2026-12-07; older files name theirs in a note or in docs/RESULTS.md
+        line += f" on {m['date'][:10]}" + (f" at commit {m['commit']}" if m.get("commit") else "")
+    line += f" ({m.get('torch_threads', '?')} threads"
     line += f", {eng} engine)" if eng else ", engine not recorded)"
     c = result.get("config") or {}
     if c.get("datasets") and c.get("n"):  # the run's settings: two runs of the same quantity differ by these too

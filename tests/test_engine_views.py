@@ -103,3 +103,21 @@ def test_every_benchmarks_section_names_its_run():
     assert ("paid only at drafter depth " + ", ".join(paid)) in ov or "every measured" in ov or "did not pay" in ov
     assert figures.overlap_text({"overlap": {"B": 8, "H": 1, "rows": [{"depth": 8, "draft_per_verify": 0.3, "async_over_seq": 0.9, "pays": False}]}}).startswith(
         "**Overlapping did not pay at any measured drafter depth**")
+
+
+def test_one_fp32_run_feeds_both_the_measured_bench_and_the_engines_tab(monkeypatch):
+    """Without a separate fp32 bench the Engines tab reads the Measured bench when it ran on the fp32 engine (one run,
+    so the two tabs print the same figures), never an int4 one; a run's provenance names its date and commit."""
+    from d3d_core import service
+
+    files = {"toy.json": {"engine": {"target": "fast"}, "summary": [], "machine": {"cpu": "C", "date": "2026-12-07 13:00 UTC",
+                                                                              "commit": "abc1234"}},
+             "toy-int4.json": {"engine": "int4", "summary": []}}
+    monkeypatch.setattr(service, "_asset_json", lambda *parts, schema=None: files.get(parts[-1]))
+    _, benches = service.engine_runs("toy")
+    assert benches["fast"] is files["toy.json"] and benches["int4"] is files["toy-int4.json"]
+    assert "Measured on **C** on 2026-12-07 at commit abc1234 (" in service.provenance(files["toy.json"])
+    files["toy.json"]["engine"] = {"target": "int4"}
+    assert "fast" not in service.engine_runs("toy")[1]
+    files["toy-fp32.json"] = {"engine": "fast", "summary": [], "own": True}
+    assert service.engine_runs("toy")[1]["fast"]["own"]

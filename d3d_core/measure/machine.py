@@ -40,10 +40,29 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
         "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git_commit(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def git_commit() -> Optional[str]:
+    """The short commit of the checkout this code runs from (a "-dirty" mark when tracked files changed), or None
+    outside a git checkout: a shipped figure names its date, CPU and commit."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=10)  # noqa: E731
+        head = run("rev-parse", "--short=7", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def cpu_model() -> str:
