@@ -23,17 +23,29 @@ from test_browser import CHROMIUM, FLAGS, SECTIONS  # noqa: E402
 TABS = ("Rounds", "Timeline", "Acceptance", "Pruning", "Benchmarks", "How it works", "Traces")
 
 
-def _open_panels(page) -> int:
-    """Open every visible folded panel on the page: Gradio accordions and HTML <details>. Returns how many."""
-    n = page.evaluate("""() => { let n = 0;
-        for (const d of document.querySelectorAll('details:not([open])')) { if (d.offsetParent) { d.open = true; n++; } }
-        return n; }""")
-    for btn in page.locator("button.label-wrap:not(.open)").all():
-        if btn.is_visible():
-            btn.click()
-            n += 1
+def _open_panels(page, everywhere: bool = False) -> list:
+    """Open every visible folded panel of the open tab (Gradio accordions and HTML <details>; with ``everywhere``
+    also those above the tabs); returns the accordion buttons opened, for ``_close_panels``."""
+    page.evaluate("""all => { for (const d of document.querySelectorAll('details:not([open])')) {
+        if (d.offsetParent && (all || d.closest('[role=tabpanel]'))) { d.open = true; d.dataset.shotOpened = '1'; } } }""",
+                  everywhere)
+    # element handles, not locators: a locator matching ":not(.open)" would match other buttons once these are open
+    opened = [b for b in page.query_selector_all("button.label-wrap:not(.open)")
+              if b.is_visible() and (everywhere or b.evaluate("b => !!b.closest('[role=tabpanel]')"))]
+    for btn in opened:
+        btn.click()
     page.wait_for_timeout(1200)
-    return n
+    return opened + (["details"] if page.locator("details[data-shot-opened]").count() else [])
+
+
+def _close_panels(page, opened: list) -> None:
+    """Fold again what ``_open_panels`` opened, so the next screenshot shows the page as a visitor finds it."""
+    page.evaluate("""() => { for (const d of document.querySelectorAll('details[data-shot-opened]')) {
+        d.open = false; delete d.dataset.shotOpened; } }""")
+    for btn in opened:
+        if btn != "details":
+            btn.click()
+    page.wait_for_timeout(800)
 
 
 def main(argv: list[str]) -> None:
@@ -52,9 +64,10 @@ def main(argv: list[str]) -> None:
         n[0] += 1
         page.screenshot(path=f"{out}/{n[0]:02d}-{name}.png", full_page=True)
 
-    def shot_open(page, name: str) -> None:
-        if panels and _open_panels(page):
+    def shot_open(page, name: str, everywhere: bool = False) -> None:
+        if panels and (opened := _open_panels(page, everywhere)):
             shot(page, name + "-panels-open")
+            _close_panels(page, opened)
 
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
@@ -96,7 +109,7 @@ def main(argv: list[str]) -> None:
         if panels:  # the Race tab last: its panels open below the columns
             page.get_by_role("tab", name="Race", exact=True).click()
             page.wait_for_timeout(1500)
-            shot_open(page, "race")
+            shot_open(page, "race", everywhere=True)
         b.close()
     demo.close()
     print("screenshots in", out, n[0])
