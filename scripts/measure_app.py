@@ -108,7 +108,7 @@ def main() -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "ar" not in modes:
         modes = ["ar"] + modes
-    from gradio_client import Client
+    from d3d_core.measure.client import app_client
 
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
     if args.fresh_cache:
@@ -130,7 +130,7 @@ def main() -> int:
             if time.perf_counter() - t0 > 300:
                 raise RuntimeError("server did not come up in 300 s")
         res["first_page_s"] = time.perf_counter() - t0
-        c = Client(url, verbose=False)
+        c = app_client(url)
         t1 = time.perf_counter()
         c.predict(BUNDLE, api_name="/pruning_curve")  # what the page's load event does: loads the bundle
         res["bundle_ready_s"] = time.perf_counter() - t0

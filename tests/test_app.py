@@ -9,9 +9,9 @@ from conftest import api_message
 
 @pytest.fixture(scope="module")
 def client(app_server):
-    from gradio_client import Client
+    from d3d_core.measure.client import app_client
 
-    return Client(app_server[1], verbose=False)
+    return app_client(app_server[1])
 
 
 RACE = dict(prompt="what is two plus two?", bundle="toy", modes=["ar", "dflash", "d3d-seq", "d3d-async"], block_size=4,

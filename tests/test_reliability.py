@@ -27,9 +27,9 @@ def server(app_server):
 
 
 def _client(url):
-    from gradio_client import Client
+    from d3d_core.measure.client import app_client
 
-    return Client(url, verbose=False)
+    return app_client(url)
 
 
 # ----------------------------------------------------------------------------- 1. bad input

@@ -59,13 +59,13 @@ def test_planted_thread_fd_and_memory_leaks_each_fail_the_soak(tmp_path):
 
 
 def test_health_endpoint_answers_outside_the_queue(app_server):
-    from gradio_client import Client
+    from d3d_core.measure.client import app_client as Client
 
     demo, url = app_server
-    h = Client(url, verbose=False).predict(api_name="/health")
+    h = Client(url).predict(api_name="/health")
     assert h["status"] == "ok" and h["queue_max"] == 16 and h["rss_mib"] > 100 and h["threads"] >= 1
     assert set(h) >= {"uptime_s", "races_served", "queue_length", "open_fds", "temp_files"}
-    c = Client(url, verbose=False)
+    c = Client(url)
     status = c.predict("what is two plus two?", "toy", ["ar"], 4, 0, 8, 4, "match", 0, "adaptive", "gated", False, api_name="/race")[0]
     assert status.startswith("**Done**"), status  # a finished race is not reported as stopped
     after = c.predict(api_name="/health")

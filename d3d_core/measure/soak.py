@@ -165,11 +165,11 @@ _DOWNLOADS = {"dir": None}  # one directory for every simulated visitor's downlo
 
 
 def client(url):
-    from gradio_client import Client
+    from d3d_core.measure.client import app_client
 
     if _DOWNLOADS["dir"] is None:
         _DOWNLOADS["dir"] = tempfile.mkdtemp(prefix="d3d-soak-client-")
-    return Client(url, verbose=False, download_files=_DOWNLOADS["dir"])
+    return app_client(url, download_files=_DOWNLOADS["dir"])
 
 
 def race_args(cfg: SoakConfig, rng: random.Random, max_new: Optional[int] = None) -> list:
