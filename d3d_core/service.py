@@ -550,6 +550,44 @@ def provenance(result: Optional[dict]) -> str:
     return line
 
 
+def run_prices(result: Optional[dict], mode: str = "d3d-seq", dataset: str = "gsm8k") -> Optional[dict]:
+    """What a bench run's machine charged for the parts of a round, read from the run itself: its target's forward over
+    8 tokens against one token (the row plan it measured at start-up), and ``mode``'s mean draft and verify ms on
+    ``dataset`` (the rows' spans), beside that mode's speedup. None when the run recorded none of it."""
+    if not result:
+        return None
+    eng = result.get("engine")
+    fwd = ((eng.get("row_plan") or {}).get("forward_ms") or {}) if isinstance(eng, dict) else {}
+    out: dict = {}
+    if fwd.get("1") and fwd.get("8"):
+        out.update(fwd1_ms=fwd["1"], fwd8_ms=fwd["8"], fwd8_over_1=fwd["8"] / fwd["1"])
+    dec = (result.get("config") or {}).get("decode") or {}
+    rows = [r for r in result.get("rows") or [] if r.get("mode") == mode and r.get("dataset") == dataset
+            and (not dec or plan_of(r, dec.get("verify")) == plan_of(dec))]  # the run's own plan, not a compared one
+    for part in ("draft", "verify"):
+        spans = [sp for r in rows if (sp := (r.get("span_ms") or {}).get(part)) and sp.get("n")]
+        if spans:
+            out[f"{part}_ms"] = sum(sp["mean"] * sp["n"] for sp in spans) / sum(sp["n"] for sp in spans)
+    row = next((x for x in result.get("summary") or [] if x.get("mode") == mode and x.get("dataset") == dataset), None)
+    if row and row.get("speedup"):
+        out["speedup"] = row["speedup"]
+    return out or None
+
+
+def prices_text(p: Optional[dict], mode: str = "d3d-seq") -> str:
+    """One clause from ``run_prices``: "d3d-seq 1.63× on gsm8k; a forward over 8 tokens cost 1.03× one token's
+    (41.3 / 39.9 ms), a D3D draft 11.6 ms"."""
+    if not p:
+        return ""
+    bits = []
+    if "fwd8_over_1" in p:
+        bits.append(f"a forward over 8 tokens cost {p['fwd8_over_1']:.2f}× one token's ({p['fwd8_ms']:.1f} / {p['fwd1_ms']:.1f} ms)")
+    if "draft_ms" in p:
+        bits.append(f"a {'DFlash' if mode == 'dflash' else 'D3D'} draft {p['draft_ms']:.1f} ms")
+    head = f"{mode} {p['speedup']:.2f}× on gsm8k" if "speedup" in p else ""
+    return head + ("; " if head and bits else "") + ", ".join(bits)
+
+
 def bench_sources(bundle_name: str) -> str:
     """Which machine each Benchmarks section's shipped run came from, beside this one: the sections are separate
     runs, and a quantity two of them measure (ar's tokens/s, a step's ms, τ) differs by machine, run and rules."""
@@ -569,9 +607,15 @@ def bench_sources(bundle_name: str) -> str:
     if not by_cpu:
         return ""
     where = "; ".join(f"{', '.join(names)} on **{c}**" for c, names in by_cpu.items())
+    why = ""
+    measured, fp32 = bench_result(bundle_name), benches.get("fast")
+    if measured and fp32 and fp32 is not measured and (a := run_prices(measured)) and (b := run_prices(fp32)):
+        why = (" **Why one mode reads differently in two runs**, from what each run's machine charged for a round: the "
+               f"Measured bench's run: {prices_text(a)}; the Engines tab's fp32 bench: {prices_text(b)}. Speculation pays "
+               "where a forward over 8 tokens costs little more than one token's and the draft is cheap.")
     return (f"**Where these figures come from.** This server runs on **{cpu_model()}**. The sections are separate shipped runs: "
             f"{where}. A quantity measured in two of them (ar's tokens/s, a step's ms, τ) differs by machine, run and rules; "
-            "each section's first line names its run.")
+            "each section's first line names its run." + why)
 
 
 def cost_profiles() -> dict:

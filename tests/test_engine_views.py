@@ -121,3 +121,29 @@ def test_one_fp32_run_feeds_both_the_measured_bench_and_the_engines_tab(monkeypa
     assert "fast" not in service.engine_runs("toy")[1]
     files["toy-fp32.json"] = {"engine": "fast", "summary": [], "own": True}
     assert service.engine_runs("toy")[1]["fast"]["own"]
+
+
+def test_two_runs_of_one_mode_are_told_apart_by_what_their_machines_charged():
+    """The Measured bench and the Engines tab's fp32 bench read d3d-seq differently (two machines): the Benchmarks tab
+    says why from the runs themselves — each run's forward over 8 tokens against one (its row plan) and its mean
+    draft ms over the rows of its own plan (a compared plan's rows left out)."""
+    from d3d_core import service
+
+    run = {"engine": {"row_plan": {"forward_ms": {"1": 40.0, "8": 50.0}}}, "config": {"decode": {"verify": "adaptive", "drafting": "gated"}},
+           "summary": [{"dataset": "gsm8k", "mode": "d3d-seq", "speedup": 1.3}],
+           "rows": [{"dataset": "gsm8k", "mode": "d3d-seq", "verify": "adaptive", "drafting": "gated", "span_ms": {"draft": {"mean": 10.0, "n": 3}}},
+                    {"dataset": "gsm8k", "mode": "d3d-seq", "verify": "adaptive", "drafting": "gated", "span_ms": {"draft": {"mean": 14.0, "n": 1}}},
+                    {"dataset": "gsm8k", "mode": "d3d-seq", "verify": "adaptive", "drafting": "always", "span_ms": {"draft": {"mean": 99.0, "n": 50}}},
+                    {"dataset": "mt_bench", "mode": "d3d-seq", "span_ms": {"draft": {"mean": 99.0, "n": 50}}}]}
+    p = service.run_prices(run)
+    assert p["fwd8_over_1"] == 1.25 and p["draft_ms"] == 11.0 and p["speedup"] == 1.3
+    assert service.prices_text(p) == "d3d-seq 1.30× on gsm8k; a forward over 8 tokens cost 1.25× one token's (50.0 / 40.0 ms), a D3D draft 11.0 ms"
+    assert service.run_prices(None) is None and service.run_prices({"rows": []}) is None and service.prices_text(None) == ""
+    src = service.bench_sources("smollm2-135m")
+    measured, fp32 = service.bench_result("smollm2-135m"), service.engine_runs("smollm2-135m")[1].get("fast")
+    if fp32 is not measured:  # two runs shipped: the sentence quotes both, from the files
+        assert "Why one mode reads differently in two runs" in src
+        for r in (measured, fp32):
+            assert service.prices_text(service.run_prices(r)) in src
+    else:
+        assert "Why one mode reads differently" not in src
