@@ -159,8 +159,8 @@ target's layers, frozen, plus small trained **adapters** (rank 64, 9 MB) that ac
 anchor slot computes exactly what the target computes, so **draft 1 is always the target's own next token**;
 the MASK slots learn the rest. On the bench (gsm8k, 128 new tokens, drafting every round) it reaches **τ 3.23**,
 against the default's 2.20.
-But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about one `ar`
-step**, so a round costs a verify *plus* a step. In its bench (a 2-core AMD EPYC with AVX-512, fp32 engine, like the Measured bench) `d3d-seq` with it was **1.25×** `ar` on gsm8k
+But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about as much as
+a verify**@DEEP_COST@, so a round costs about two verifies. In its bench (a 2-core AMD EPYC with AVX-512, fp32 engine, like the Measured bench) `d3d-seq` with it was **1.25×** `ar` on gsm8k
 (1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
 a verify cannot hide behind it. The default 8-layer drafter reached 1.69× on gsm8k drafting every round in the Measured bench's run (the same
 EPYC; 1.63× with the draft gate, the table's figure).
@@ -266,7 +266,7 @@ Run a race (the default prompt is one where the shipped drafters do well), then:
 | **Why were some drafts never checked?** | **Rounds** tab: pale yellow cells are drafts the verify plan *held back* — a wider verify costs more here than those unlikely drafts were expected to earn; run with *Verify plan: full* (the same place) to see the difference in the τ and tokens/s counters |
 | **Why is a bigger block not always faster here?** | **Benchmarks** tab: verify(B) in steps grows with B on this CPU (*Where the time goes*) while τ saturates (*Acceptance and block size*) |
 | **What does pruning trade?** | **Pruning** tab: each removed layer's τ cost on the curve, and the milliseconds of draft time it saves (the orange dashed line, right axis; from the shipped cost breakdown's CPU, named in Benchmarks) |
-| **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are as long as a verify |
+| **Does a drafter that guesses more make decoding faster?** | **Race** tab, *D3D drafter*: race `d3d-deep`, then the default, on one prompt — τ rises, tokens/s need not; **Timeline** tab: its draft spans are about as long as a verify |
 | **Would this be faster on a GPU?** | **Timeline** tab, *Clock*: re-time your run under a GPU profile of the latency model (projected, labelled as such) |
 """
 
@@ -293,7 +293,15 @@ cost breakdown's *step* is one forward alone, median of several, at a fixed 300-
 machine. The race's is the one its break-even τ and its speedups use; expect it to be the larger.
 """
 
-SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, DEPTH, PRUNING]
+def depth(costs: Optional[dict]) -> str:
+    """The deeper-drafter section, with the shipped cost breakdown's overlap probe at depth 30 when it has one."""
+    row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
+    cost = (f" (Benchmarks › *Where the time goes*, the overlap probe: a 30-layer draft takes {row['draft_per_verify']:.0%} of "
+            f"a verify({costs['overlap'].get('B', 8)})'s time, {row['draft_ms']:.0f} against {row['verify_ms']:.0f} ms)") if row else ""
+    return DEPTH.replace("@DEEP_COST@", cost)
+
+
+SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, depth(None), PRUNING]
 
 
 def pruning_story(shallow: dict | None, deep: dict | None) -> str:

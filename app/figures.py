@@ -225,9 +225,17 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
         seq_pre = next((s for s in seq_tr.spans if s.kind == "prefill" and s.lane == "target"), None) if seq_tr else None
         if "drafter" in pre and "target" in pre and pre["drafter"].t_start < pre["target"].t_end and not projected:
             than = (f" (d3d-seq's, alone: {seq_pre.duration:.0f} ms)" if seq_pre is not None else "")
+            e2e = ""
+            ar_tr = by_mode.get("ar")
+            if ar_tr is not None and ar_tr.stats is not None and tr.stats is not None:
+                a_s = ar_tr.stats.prefill_time_s + ar_tr.stats.decode_time_s
+                m_s = tr.stats.prefill_time_s + tr.stats.decode_time_s
+                if a_s > 0 and m_s > 0:  # the speedups count decode only; say what the prefill does to the whole run
+                    e2e = (f". Speedups and tokens/s count the decode only, as for every mode; prefill included, ar took "
+                           f"{a_s:.2f} s and d3d-async {m_s:.2f} s ({a_s / m_s:.2f}×)")
             parts.append(f"before the decode its drafter prefilled beside the target's prefill (it needs nothing from the "
                          f"target), so on shared cores the target's prefill took {pre['target'].duration:.0f} ms{than}; "
-                         "the idle share counts from the end of both")
+                         "the idle share counts from the end of both" + e2e)
         out.append(f"{head}: " + "; ".join(parts) + "." if parts else head + ".")
     if not out:
         return ""
@@ -290,7 +298,9 @@ def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFra
         rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.ar_forward_ms, e.t_verify_ms, e.t_draft_ms,
                      e.t_packed_ms, e.hit_rate, e.round_ms, v, d, o, e.per_token_ms, None if e.too_short else e.speedup, spread,
                      e.break_even_tau, short_flags(e.flags)])
-    return pd.DataFrame(rows, columns=cols).round(2)
+    df = pd.DataFrame(rows, columns=cols).round(2)
+    # the flags column only when a ratio was flagged (an always-empty column reads as something unexplained)
+    return df if (df["flags"].fillna("") != "").any() else df.drop(columns="flags")
 
 
 def short_flags(flags) -> str:
@@ -329,7 +339,7 @@ def acceptance_figure(traces: list) -> go.Figure:
     return fig
 
 
-def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Figure:
+def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "", stale: bool = False) -> go.Figure:
     """Measured τ and speedup per block size from a bench sweep {mode: {B: {"speedup", "tau"}}}:
     two panels side by side, because a longer block raises τ but also the verify cost. d3d-seq and
     d3d-async run the same drafter but need not reach the same τ: the draft gate and the verify plan
@@ -354,7 +364,9 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "") -> go.Fig
     for c in (1, 2):
         fig.update_xaxes(title_text="block size B", type="log", tickvals=ticks, ticktext=[str(b) for b in ticks], row=1, col=c)
     on = f" · {datasets.replace(',', ', ')}" if datasets else ""
-    fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}", font=dict(size=15)), height=400,
+    sub = ("<br><sup>made with earlier drafters (replaced since): read it for how τ and speed change with B, not for "
+           "today's values — the Measured bench has those</sup>") if stale else ""
+    fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}{sub}", font=dict(size=15)), height=400,
                       legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=80, b=40),
                       **{k: v for k, v in LAYOUT.items() if k != "margin"})
     return fig
@@ -405,7 +417,7 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
                       legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT)
     if mix:
         n = mix.count("<br>") + 1
-        fig.update_layout(margin=dict(l=10, r=10, t=60 + 15 * n, b=40), height=380 + 15 * n)
+        fig.update_layout(margin=dict(l=10, r=10, t=60 + 24 * n, b=40), height=380 + 24 * n)  # a subtitle line ≈ 22 px
     return fig
 
 
@@ -687,7 +699,8 @@ def diagram_d3d_async(costs: Optional[dict] = None) -> go.Figure:
                            ("d3d-async · drafter", asy_d), ("d3d-async · target", asy_t)],
                           f"D3D async vs d3d-seq, measured on the cost breakdown's machine: verify takes {vc:.0f} ms beside the packed pass (one thread each), {v:.0f} alone (every thread)"
                           f"<br><sup>cost breakdown's overlap probe: B = {costs['overlap'].get('B', 8)}, H = {costs['overlap'].get('H', 1)}, "
-                          "every hypothesis a hit, one thread per lane while both run</sup>", 320)
+                          f"every hypothesis a hit, one thread per lane while both run; an untrained fp32 8-layer drafter ({d:.0f} ms a draft, "
+                          "the shipped int8 one is cheaper: Benchmarks › Where the time goes)</sup>", 320)
     fig.update_xaxes(title="time (ms) →", showticklabels=True)
     return fig
 
@@ -778,9 +791,8 @@ def overlap_text(costs: Optional[dict]) -> str:
     ov = (costs or {}).get("overlap")
     if not ov or not ov.get("rows"):
         return ""
-    parts = [f"depth {r['depth']}: a draft takes {r['draft_per_verify']:.0%} of a verify({ov['B']})'s time (each alone on every thread; "
-             f"a share of a verify, not the cost table's steps, which divide by a one-token step), d3d-async round "
-             f"{r['async_over_seq']:.2f}× as fast as d3d-seq's" for r in ov["rows"]]
+    parts = [f"- depth {r['depth']}: a draft takes **{r['draft_per_verify']:.0%}** of a verify({ov['B']})'s time; the d3d-async "
+             f"round is **{r['async_over_seq']:.2f}×** as fast as d3d-seq's" for r in ov["rows"]]
     paid = [r for r in ov["rows"] if r["pays"]]
     if not paid:
         head = "**Overlapping did not pay at any measured drafter depth**"
@@ -789,10 +801,16 @@ def overlap_text(costs: Optional[dict]) -> str:
     else:
         head = ("**Overlapping paid only at drafter depth " + ", ".join(str(r["depth"]) for r in paid) + "** of "
                 + ", ".join(str(r["depth"]) for r in ov["rows"]))
-    return (f"{head} — d3d-async's round against d3d-seq's, not against ar, on the machine named above (B = {ov['B']}, "
-            f"H = {ov['H']}, every hypothesis a hit; untrained fp32 drafters of each depth, since cost depends on depth, not "
-            "training; in the async round the two lanes share the cores, one thread each): "
-            + "; ".join(parts) + ". Beating ar still takes a τ above the round's break-even.")
+    shipped = max((r for r in costs.get("rows") or [] if str(r.get("forward", "")).startswith("d3d draft(")),
+                  key=lambda r: r.get("threads") or 0, default=None)
+    probe8 = next((r for r in ov["rows"] if r["depth"] == 8 and r.get("draft_ms")), None)
+    vs = (f" — the shipped 8-layer drafter, its MLPs in int8, drafts in {shipped['wall_ms']:.1f} ms on every thread in the cost "
+          f"table, against this probe's {probe8['draft_ms']:.1f} ms at depth 8") if shipped and probe8 else ""
+    return (f"{head}: d3d-async's round against d3d-seq's (not against ar), on the machine named above.\n\n" + "\n".join(parts)
+            + f"\n\nHow it was probed: B = {ov['B']}, H = {ov['H']}, every hypothesis a hit; untrained fp32 drafters of each "
+            f"depth (cost depends on depth, not training{vs}); the draft and the verify each timed alone on every thread, so these are "
+            "shares of a verify, not the cost table's steps (which divide by a one-token step); in the async round the two "
+            "lanes share the cores, one thread each. Beating ar still takes a τ above the round's break-even.")
 
 
 def bench_table(result: Optional[dict]) -> pd.DataFrame:

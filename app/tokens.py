@@ -29,7 +29,7 @@ CSS = """
 .tok {white-space: pre-wrap; border-radius: 3px; padding: 0 1px;}
 /* a long answer scrolls inside its column, so the Race tab stays within two screens (counters and economics stay in
    view); column-reverse keeps the newest tokens in view while it streams and the answer's end in view when it is done */
-.d3d-text {max-height: 210px; overflow-y: auto; display: flex; flex-direction: column-reverse;}
+.d3d-text {max-height: 186px; overflow-y: auto; display: flex; flex-direction: column-reverse;}
 .tok.acc {background: #009E7326; border-bottom: 2px solid #009E73;}
 .tok.bonus {background: #0072B226; border: 1px solid #0072B2; font-weight: 700;}
 .tok.first {background: #CC79A726; border: 1px solid #CC79A7;}
@@ -90,8 +90,8 @@ def drafter_line(trace: Trace) -> str:
     """The column's drafter line: its *drafter* layers named as such (a DFlash drafter also reads the target's hidden
     states at a few *feature* layers of the target — a different count, see How it works)."""
     text = re.sub(r"\b(\d+) layer(s?)\b", r"\1 drafter layer\2", trace.drafter, count=1)
-    if trace.mode == "dflash":
-        text += " + the target's hidden states"
+    if trace.mode == "dflash":  # one line in a column: "DFlash, 2 drafter layers + target hidden states"
+        text = text.replace("DFlash drafter, ", "DFlash, ") + " + target hidden states"
     return text
 
 
@@ -244,7 +244,7 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     if final:
         foot = (f'<div class="d3d-done">done: {n_tok} tokens = 1 from the prefill + {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s '
                 f'of decode, <span class="term" title="{html.escape(FINISH_WORDS.get(trace.finish_reason, ""))}">'
-                f'finish = {html.escape(trace.finish_reason)}</span></div>')
+                f'finish = {html.escape(trace.finish_reason)}</span>{_tau_note(trace)}</div>')
         kind, words = agreement(trace, ar)
         if kind:
             foot = _badge(kind, words) + foot
@@ -258,6 +258,19 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
         f'<div class="d3d-stats">{stats}</div><div class="d3d-text" title="the newest tokens stay in view; scroll up for the start">'
         f'<div>{"".join(parts)}</div></div>{foot}</div>'
     )
+
+
+def _tau_note(trace: Trace) -> str:
+    """Where τ × rounds is not the tokens decoded, why: τ counts each round's a + 1 whole, and the answer's end (or the
+    token limit) cut the last round short. "" where they agree."""
+    rounds = trace.rounds
+    if trace.mode == "ar" or not rounds:
+        return ""
+    whole, decoded = sum(r.accepted + 1 for r in rounds), sum(len(r.committed) for r in rounds)
+    if whole == decoded:
+        return ""
+    return (f'; <span class="term" title="τ is the mean of a + 1 over the rounds; the last round printed only what came before '
+            f'the stop">τ × {len(rounds)} rounds = {whole}, not {decoded}: the stop cut the last round</span>')
 
 
 # why a run ended, in words beside its code (the Trace's finish_reason)

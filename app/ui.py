@@ -592,7 +592,7 @@ def bench_views(bundle) -> tuple:
     costs = service.cost_breakdown(bundle)
     datasets = ["all"] + list(((res or {}).get("acceptance_hist") or {}).keys())
     return (service.provenance(res), figures.bench_table(res), figures.latency_check_table(res), datasets,
-            figures.bench_acceptance_figure(res), figures.speedup_vs_block_figure(service.block_sweep(bundle), service.block_sweep_datasets(bundle)),
+            figures.bench_acceptance_figure(res), figures.speedup_vs_block_figure(service.block_sweep(bundle), service.block_sweep_datasets(bundle), service.block_sweep_stale(bundle)),
             service.provenance(costs), figures.cost_breakdown_figure(costs), figures.overlap_text(costs))
 
 
@@ -871,7 +871,7 @@ def build_demo() -> gr.Blocks:
                                                   interactive=False, wrap=True)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
-                gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home)),
+                gr.Plot(figures.speedup_vs_block_figure(service.block_sweep(home), service.block_sweep_datasets(home), service.block_sweep_stale(home)),
                         label="Speedup vs block size")
                 gr.Markdown("The block-size sweep: " + service.provenance(service.block_sweep_result(home)), elem_id="acc-sweep-provenance")
                 gr.Markdown("The app shows several τ (this race's, the bench's, offline, calibration, held-out): **How it works › Which τ is "
@@ -996,7 +996,7 @@ def build_demo() -> gr.Blocks:
                         gr.Plot(figures.diagram_d3d_async(service.cost_breakdown(home)), label="D3D async")
                         gr.Markdown(explain.MISS)
                     with gr.Tab("5 · A deeper drafter", id="explain-depth"):
-                        gr.Markdown(explain.DEPTH)
+                        gr.Markdown(explain.depth(service.cost_breakdown(home)))
                     with gr.Tab("6 · Skipping drafter layers", id="explain-pruning"):
                         gr.Markdown(explain.PRUNING)
                         gr.Markdown(explain.pruning_story(service.pruning_curve(home), service.pruning_curve(home, "d3d-deep")),

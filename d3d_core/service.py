@@ -444,6 +444,11 @@ def measured_point(bundle_name: str) -> tuple:
     return round(float(row["tau"]), 2), round(float(row.get("hit_rate") or 0.0), 2), B
 
 
+def block_sweep_stale(bundle_name: str) -> bool:
+    """Whether the shipped block-size sweep was made with drafters replaced since (its note says so)."""
+    return "replaced since" in str((block_sweep_result(bundle_name) or {}).get("note") or "")
+
+
 def block_sweep_datasets(bundle_name: str) -> str:
     """Which datasets the shipped block-size sweep ran on (for its title)."""
     d = _asset_json("bench", f"{bundle_name}-block-sweep.json") or {}
@@ -483,7 +488,7 @@ def retimed(traces: list, clock: str) -> tuple:
 
 def clock_assumptions(clock: str) -> str:
     if clock in (None, "", MEASURED_CLOCK):
-        return "Span lengths as measured on this machine during the run (synchronised clock of both lanes)." + gpu_profile_note()
+        return "Span lengths as measured during the run, on the machine that ran it (a recorded race: the machine the status line names), on one clock for both lanes." + gpu_profile_note()
     p = PRESETS.get(clock)
     if p is None:
         return ""

@@ -174,7 +174,7 @@ def test_break_even_tau_is_round_over_t_step_with_one_denominator_on_a_recorded_
         assert f"a round costs {total:.2f} ar steps" in s and f"break-even τ = {total:.2f}" in s
         assert f"(verify {v:.2f}" in s and f" + draft not hidden {d:.2f} + other {o:.2f}" in s
         k = ec[m].verify_k
-        assert k is not None and f"mostly verify({k})" in s  # the race's verify width, which the verify plan may cut below B
+        assert k is not None and f"{'all' if ec[m].verify_k_all else 'mostly'} verify({k})" in s  # the race's verify width (the plan may cut it below B)
         fwd = min(round(ec[m].ar_forward_ms / ec[m].t_step_ms, 2), 1.0)
         assert f"ar's own step = forward {fwd:.2f} + other {1 - fwd:.2f}" in s
 
@@ -193,3 +193,20 @@ def test_export_carries_the_timeline_caption_and_the_unexplained_flags(recorded)
     page = race_html(recorded, {})
     assert "Why the target waited (measured)" in page and "outlasts the packed pass" in page
     assert "⚠ implausible" in page and "break-even τ = 0.20" not in page  # flagged d3d-async: no cost story
+
+
+def test_the_verify_width_says_all_when_every_verify_read_it():
+    """A run whose every verify read k tokens says "all verify(k)", one with other widths "mostly verify(k)"; d3d-async
+    says its verify shares the cores with the packed pass (why it reads dearer than d3d-seq's)."""
+    from d3d_core import service
+
+    trs, _ = service.recorded_race("smollm2-135m")  # the lesson: verify plan full, every round drafted
+    ec = {e.mode: e for e in race_economics(trs)}
+    for m in ("dflash", "d3d-seq", "d3d-async"):
+        assert ec[m].verify_k_all and f"(all verify({ec[m].verify_k}))" in ec[m].sentence()
+    assert "packed pass runs beside it" in ec["d3d-async"].sentence() and "packed pass" not in ec["d3d-seq"].sentence()
+    seq = next(t for t in trs if t.mode == "d3d-seq")
+    cut = seq.rounds[3]
+    cut.target_ids = cut.target_ids[:3]  # one verify over 3 tokens: the others still read 8
+    e = next(x for x in race_economics([t for t in trs if t.mode == "ar"] + [seq]) if x.mode == "d3d-seq")
+    assert e.verify_k == ec["d3d-seq"].verify_k and not e.verify_k_all and f"(mostly verify({e.verify_k}))" in e.sentence()

@@ -30,11 +30,12 @@ def test_engines_table_inverts_pairs_against_fp32_and_llama():
 
 def test_speculation_figure_labels_each_bar_with_its_own_engines_speedup():
     fig = ev.speculation_by_engine_figure({"fast": _bench(25.0, 1.55), "int4": _bench(60.0, 1.2)}, ENGINES)
-    bars = {b.name: b for b in fig.data}
+    bars = {b.name: b for b in fig.data if b.type == "bar"}
     assert set(bars) == {"fp32 engine", "int4 engine"}
+    assert len(fig.layout.shapes) == 1  # llama.cpp's line
     assert list(bars["int4 engine"].text) == ["ar", "1.20× ar"] and list(bars["fp32 engine"].text) == ["ar", "1.55× ar"]
     assert bars["fp32 engine"].marker.pattern.shape == "/"
-    assert any("llama.cpp, plain: 100 tok/s" in (a.text or "") for a in fig.layout.annotations)
+    assert any(t.name == "llama.cpp, plain: 100 tok/s" and t.mode == "lines" for t in fig.data)  # named in the legend, its line drawn
     empty = ev.speculation_by_engine_figure({})
     assert "no bench result" in empty.layout.annotations[0].text
 
@@ -76,7 +77,7 @@ def test_engines_text_names_the_gap_between_the_benchs_ar_and_ar_alone():
     assert "20.0 tok/s on fp32 (-20% against the engines run's 25.0)" in text and "60.0 tok/s on int4 (+0% against" in text
     assert "smaller by that share" in text and "bench was" not in text
     noted = dict(benches, int4=dict(benches["int4"], note="measured at commit abc, before the engine got faster"))
-    assert "(the int4 bench was measured at commit abc, before the engine got faster)" in ev.engines_text(ENGINES, noted)
+    assert "The int4 bench was measured at commit abc, before the engine got faster." in ev.engines_text(ENGINES, noted)
     assert "against the engines run" not in ev.engines_text(ENGINES, {})
 
 

@@ -363,6 +363,11 @@ def test_economics_table_shows_the_identities_and_short_flags(traces):
     assert (abs(t["round"] / t["T_step (ar ms/token)"] - t["break-even τ = round / T_step"]) <= 0.011).all()
     flags = t.loc["d3d-async", "flags"]
     assert flags.startswith("⚠ timing noise") and len(flags) < 70  # the last column stays short (no truncated cell)
+    from d3d_core.measure import economics
+
+    clean = [tr for tr in traces if tr.mode != "d3d-async"]
+    assert not any(e.flags for e in economics.race_economics(clean))
+    assert "flags" not in figures.economics_table(clean).columns  # no flag: no always-empty column
 
 
 def test_timeline_caption_states_the_cause_from_the_numbers(traces):
@@ -476,7 +481,7 @@ def test_dflash_layers_are_named_and_the_confound_said():
 
     dfl = Trace("dflash", "b", {}, "p", [1], drafter="DFlash drafter, 2 layers")
     d3d = Trace("d3d-seq", "b", {}, "p", [1], drafter="D3D drafter, 8 layers")
-    assert drafter_line(dfl).startswith("DFlash drafter, 2 drafter layers") and "hidden states" in drafter_line(dfl)
+    assert drafter_line(dfl).startswith("DFlash, 2 drafter layers") and "hidden states" in drafter_line(dfl)
     assert "feature layers" in drafter_tip(dfl)  # its hover names the target layers it reads, a different count
     note = drafter_confound([dfl, d3d])
     assert "2 drafter layers" in note and "8" in note and "not a clean comparison" in note
@@ -491,6 +496,12 @@ def test_how_it_works_makes_no_unsupported_gpu_claim():
     from app import explain
 
     assert "costs a fraction of a verify" not in explain.DEPTH and "about one verify" in explain.DEPTH
+    from d3d_core import service
+
+    costs = service.cost_breakdown("smollm2-135m")  # the deep drafter's draft cost, from the shipped probe, not a phrase
+    row = next(r for r in costs["overlap"]["rows"] if r["depth"] == 30)
+    assert f"a 30-layer draft takes {row['draft_per_verify']:.0%} of a verify(8)'s time" in explain.depth(costs)
+    assert "@" not in explain.depth(costs) + explain.depth(None) and "Where the time goes" not in explain.depth(None)
     assert "Which τ is which" in explain.WHICH_TAU and "T_step" in explain.WHICH_TAU
     for term in ("**D3D**", "**DFlash**", "**block diffusion**", "MASK slots", "**teacher forcing**", "**healing**", "Q4_1", "HBM"):
         assert term in explain.WORDS, term  # the method's words, each explained once
@@ -596,3 +607,13 @@ def test_column_costs_add_up_as_printed(traces, pieces):
         assert sums, (tr.mode, col[-400:])
         for total, *parts in sums:
             assert int(total) == sum(map(int, parts)), (tr.mode, total, parts)
+
+
+def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
+    from d3d_core import service
+
+    sweep = {"d3d-seq": {"4": {"tau": 1.9, "speedup": 1.4}, "8": {"tau": 2.2, "speedup": 1.5}}}
+    assert "earlier drafters" in figures.speedup_vs_block_figure(sweep, "gsm8k", stale=True).layout.title.text
+    assert "earlier drafters" not in figures.speedup_vs_block_figure(sweep, "gsm8k").layout.title.text
+    assert service.block_sweep_stale("smollm2-135m") == ("replaced since" in service.block_sweep_result("smollm2-135m")["note"])
+    assert not service.block_sweep_stale("toy")

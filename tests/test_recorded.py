@@ -149,3 +149,33 @@ def test_identical_output_badge_is_computed_from_the_tokens():
     # temperature > 0: not the same tokens by design
     hot = dataclasses.replace(seq, config=dict(seq.config, temperature=0.7))
     assert agreement(hot, ar)[0] == "sampled"
+
+
+def test_the_timeline_says_what_the_prefill_does_to_the_whole_run():
+    """Speedups count the decode only; where d3d-async's drafter prefilled beside the target (slowing its prefill), the
+    Timeline caption gives the whole run, prefill included, for ar and d3d-async, from the traces' own stats."""
+    from app import figures
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    by = {t.mode: t for t in trs}
+    whole = {m: by[m].stats.prefill_time_s + by[m].stats.decode_time_s for m in ("ar", "d3d-async")}
+    cap = figures.timeline_caption(trs)
+    assert (f"prefill included, ar took {whole['ar']:.2f} s and d3d-async {whole['d3d-async']:.2f} s "
+            f"({whole['ar'] / whole['d3d-async']:.2f}×)") in cap
+
+
+def test_a_column_says_why_tau_times_rounds_is_not_the_tokens_decoded():
+    """τ counts each round's a + 1 whole; where the stop cut the last round the column says so with the two counts, and
+    says nothing where they agree (d3d-async's last round here ended exactly at the stop)."""
+    from app.tokens import _tau_note
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    for t in trs:
+        whole, decoded = sum(r.accepted + 1 for r in t.rounds), sum(len(r.committed) for r in t.rounds)
+        note = _tau_note(t)
+        if t.mode == "ar" or whole == decoded:
+            assert note == ""
+        else:
+            assert f"τ × {len(t.rounds)} rounds = {whole}, not {decoded}: the stop cut the last round" in note
+            assert round(t.stats.tau * len(t.rounds)) == whole and decoded == len(t.output_ids) - 1
+    assert any(_tau_note(t) for t in trs) and any(t.mode != "ar" and not _tau_note(t) for t in trs)

@@ -59,6 +59,7 @@ class Economics:
     timed_rounds: int = 0  # the fewer of this mode's and ar's rounds
     flags: tuple = ()  # readings the cost model says are impossible (``reading.implausible``): timing noise
     verify_k: Optional[int] = None  # the most common verify width (tokens the target read; the verify plan may cut it below B)
+    verify_k_all: bool = False  # every verify of the run read verify_k tokens (the full plan, or B − 1 always paying)
     # verify(verify_k) spans / ar's step spans in this race: (ratio, 10–90 % lo, hi) — like with like (forward with
     # forward), the quantity the implausibility rule judges; None without ar or without a verify of 2 or more
     verify_vs_step: Optional[tuple] = None
@@ -113,7 +114,7 @@ class Economics:
             return (f"{self.mode}: a round costs {self.round_ms:.0f} ms and commits τ = {self.tau:.2f} tokens "
                     f"({self.per_token_ms:.0f} ms per token); run ar in the same race to compare.")
         total, v, d, o = self.round_parts_steps()
-        width = f" (mostly verify({self.verify_k}))" if self.verify_k else ""
+        width = f" ({'all' if self.verify_k_all else 'mostly'} verify({self.verify_k}))" if self.verify_k else ""
         own = ""
         if self.ar_forward_ms:  # ar's own step split the same way, so "verify 0.97" reads against ar's forward, not its whole step
             fwd = min(round(self.ar_forward_ms / self.t_step_ms, 2), 1.0)
@@ -121,6 +122,8 @@ class Economics:
         if self.verify_vs_step and self.verify_k:  # like with like: one verify forward against one ar forward
             r, lo, hi = self.verify_vs_step
             own += f"; one verify({self.verify_k}) = {r:.2f} ar forwards (10–90 % {lo:.2f}–{hi:.2f})"
+            if self.mode == "d3d-async" and self.t_packed_ms:  # why its verify reads dearer than the sequential modes'
+                own += ", slower than alone: the drafter's packed pass runs beside it on the same cores"
         cost = (f"a round costs {total:.2f} ar steps of {self.t_step_ms:.0f} ms (verify {v:.2f}{width} + draft not hidden {d:.2f} "
                 f"+ other {o:.2f}{own})")
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted (each an ar step)." if self.skipped else ""
@@ -206,6 +209,8 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
         verify_per_token_ms=verify_ms * scale / tokens, draft_visible_per_token_ms=draft_visible * scale / tokens,
         idle_per_token_ms=idle * scale / tokens, skipped=sum(r.skipped for r in trace.rounds),
         verify_k=(verify_width_ms(trace) or (None,))[0] if trace.mode != "ar" else None,
+        verify_k_all=trace.mode != "ar" and (v := verify_spans(trace)) is not None
+        and len(v[1]) == sum(s.kind == "verify" and s.lane == "target" and s.round >= 0 for s in spans),
     )
     return e
 
