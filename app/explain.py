@@ -12,8 +12,8 @@ holds on *this* machine is measured in the **Benchmarks** tab (*Where the time g
 
 
 def intro(costs: Optional[dict]) -> str:
-    """The AR section, quoting this machine's measured verify(B) / step from the shipped cost
-    breakdown (python -m d3d_core.measure.costs) instead of the GPU rule of thumb."""
+    """The AR section, quoting the measured verify(B) / step of the shipped cost breakdown's machine (its
+    ``python -m d3d_core.measure.costs``) instead of the GPU rule of thumb."""
     rows = [r for r in (costs or {}).get("rows", []) if r["threads"] == max(x["threads"] for x in costs["rows"])] if costs else []
     ver = {r["B"]: r for r in rows if r["forward"].startswith("verify(") or r["forward"] == "step"}
     if 1 not in ver or 8 not in ver:
@@ -22,14 +22,14 @@ def intro(costs: Optional[dict]) -> str:
     d3d = next((r for r in rows if r["forward"].startswith("d3d draft")), None)
     ratios = ", ".join(f"verify({b}) = {ver[b]['per_step']:.2f}" for b in sorted(ver) if b in (2, 4, 6, 8, 16))
     cheap = ver[8]["per_step"] <= 1.25
-    verdict = ("**On this machine it is nearly that cheap, up to a point.**" if cheap else
-               "**On this machine it is not that cheap.**")
+    verdict = ("**On the measured CPU it is nearly that cheap, up to a point.**" if cheap else
+               "**On the measured CPU it is not that cheap.**")
     return f"""
 ### Autoregressive (AR) decoding
 The **target** (the large model whose output we must reproduce exactly) produces one token per
 forward pass. On a GPU at batch size 1 that pass is dominated by reading the weights, so feeding it
 8 tokens costs hardly more than feeding it 1 — speculative decoding exploits exactly that.
-{verdict} Measured on {cpu} ({ver[1]['threads']} threads): one step
+{verdict} Measured on {cpu} ({ver[1]['threads']} threads; the shipped cost breakdown's machine, not necessarily this server's): one step
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {d3d['per_step']:.2f} steps (the cost of one one-token step, not a share of a verify). So a drafting mode needs τ above about
 {(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
@@ -162,7 +162,8 @@ against the default's 2.20.
 But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about as much as
 a verify**@DEEP_COST@, so a round costs about two verifies. In its bench (a 2-core AMD EPYC with AVX-512, fp32 engine, like the Measured bench) `d3d-seq` with it was **1.25×** `ar` on gsm8k
 (1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
-a verify cannot hide behind it. The default 8-layer drafter reached 1.69× on gsm8k drafting every round in the Measured bench's run (the same
+a verify cannot hide behind it. (The overlap probe reads a 30-layer async round at about d3d-seq's speed, but it
+packs one hypothesis that always hits; the bench packs H = 4, a pass several drafts long, and misses often.) The default 8-layer drafter reached 1.69× on gsm8k drafting every round in the Measured bench's run (the same
 EPYC; 1.63× with the draft gate, the table's figure).
 Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
 **Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1

@@ -270,7 +270,7 @@ def _tau_note(trace: Trace) -> str:
     if whole == decoded:
         return ""
     return (f'; <span class="term" title="τ is the mean of a + 1 over the rounds; the last round printed only what came before '
-            f'the stop">τ × {len(rounds)} rounds = {whole}, not {decoded}: the stop cut the last round</span>')
+            f'the stop">{len(rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens, {decoded}&nbsp;printed: the stop cut the last round</span>')
 
 
 # why a run ended, in words beside its code (the Trace's finish_reason)

@@ -176,6 +176,18 @@ def test_a_column_says_why_tau_times_rounds_is_not_the_tokens_decoded():
         if t.mode == "ar" or whole == decoded:
             assert note == ""
         else:
-            assert f"τ × {len(t.rounds)} rounds = {whole}, not {decoded}: the stop cut the last round" in note
+            assert f"{len(t.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens, {decoded}&nbsp;printed: the stop cut the last round" in note
             assert round(t.stats.tau * len(t.rounds)) == whole and decoded == len(t.output_ids) - 1
     assert any(_tau_note(t) for t in trs) and any(t.mode != "ar" and not _tau_note(t) for t in trs)
+
+
+def test_the_status_line_defines_tau_once_and_says_why_async_trails_seq():
+    from d3d_core.measure.economics import race_economics
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
+    text = ui.economics_sentences(state).split("<details>")[0]
+    assert text.count("(accepted drafts + the target's bonus)") == 1 and text.count("(a round's cost in ar steps)") == 1
+    ec = {e.mode: e for e in race_economics(trs)}
+    r = ec["d3d-async"].t_verify_ms / ec["d3d-seq"].t_verify_ms
+    assert r >= 1.1 and f"its verify ran {r:.2f}× as long as d3d-seq's, beside the packed pass on the same cores" in text

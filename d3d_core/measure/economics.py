@@ -90,7 +90,7 @@ class Economics:
         or "–" without ar."""
         return speedup_label(self.speedup, self.speedup_lo, self.speedup_hi, self.too_short, self.timed_rounds)
 
-    def headline(self) -> str:
+    def headline(self, define: bool = False) -> str:
         """:meth:`sentence` without the part-by-part cost of a round (the race's status line; the full sentence
         sits under it, folded): the speedup, the round in ar steps, τ and the break-even τ. Where the full sentence
         says why no speedup is read (too short, no ar, flagged), it is the headline too."""
@@ -98,8 +98,9 @@ class Economics:
             return self.sentence()
         gate = f" The draft gate left {self.skipped / self.rounds:.0%} of rounds undrafted." if self.skipped else ""
         verdict = "above" if self.speedup >= 1 else "below"
+        tau_is, be_is = (" a round (accepted drafts + the target's bonus)", " (a round's cost in ar steps)") if define else ("", "")
         return (f"{self.mode} is {self.speedup_label()} the speed of ar: a round costs {self.round_steps:.2f} ar steps and "
-                f"commits τ = {self.tau:.2f} tokens, {verdict} the break-even τ = {self.break_even_tau:.2f}.{gate}")
+                f"commits τ = {self.tau:.2f} tokens{tau_is}, {verdict} the break-even τ = {self.break_even_tau:.2f}{be_is}.{gate}")
 
     def sentence(self) -> str:
         """One sentence: how fast this mode was against ar, and why (or that the race was too short to say, or that
