@@ -59,8 +59,9 @@ pays for it. On some prompts that is most rounds (on MT-Bench the shipped drafte
 about one time in five). So with **Drafting: gated** (the fair race's setting; the lesson drafts every round):
 
 - the engine tracks what its last 16 drafted rounds earned, in **tokens per step of cost**;
-- while that is below what a plain step earns (1; a little more in `d3d-async`, whose skipped round runs on
-  every core), it **skips the draft**: the target checks the anchor alone, exactly an `ar` step
+- while that is below what a plain step earns (1 token per step; in `d3d-async` the bar is set a little higher,
+  because there a drafted round's verify shares the cores with the packed pass while a skipped round has them
+  all), it **skips the draft**: the target checks the anchor alone, exactly an `ar` step
   (pale blue *no draft* rows in **Rounds**);
 - every 4 skipped rounds it drafts once as a **probe** (the wait doubles after each probe that does not pay, up
   to 32); a probe that pays reopens the gate.
@@ -149,7 +150,8 @@ removed layer saves is drawn on the curve too: the draft time saved, in ms, from
 distributions (distillation), which kept a little more τ than the target's tokens alone.
 The bars on held-out points are 95 % intervals (paired bootstrap over the held-out prompts): even with
 a couple of hundred prompts a gap of about a percent can be noise, so "keeps 99 %" is only settled where
-the whole bar clears the dashed grey 99 % line.
+the whole bar clears the dotted olive line: 99 % of the full drafter's *held-out* τ (the dashed grey line is 99 % of
+its calibration τ, for the calibration curve).
 """
 
 DEPTH = """

@@ -504,7 +504,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     for i, (name, c) in enumerate(zip(STATE_NAMES, STATE_COLOURS)):  # legend with text labels
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=c, symbol="square"), name=name))
     fig.update_layout(
-        title=(f"{trace.mode}: rounds (✓ / ✗ = a hypothesis hit / missed; · = last round, no next block needed)"
+        title=(f"{trace.mode}: rounds (✓ / ✗ = this round's hypotheses had / missed the NEXT round's block; · = last round)"
                if trace.mode == "d3d-async" else f"{trace.mode}: rounds"),
         yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
         legend=dict(orientation="h", y=-0.05), height=min(2400, max(320, 140 + 26 * len(rounds))), **LAYOUT,
@@ -581,6 +581,9 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
             customdata=[[p.get("tau_eval_rel", 1.0), _ci_text(p)] for p in pts],
             hovertemplate="%{x} removed: held-out τ = %{y:.3f} (%{customdata[0]:.1%} of full%{customdata[1]})<extra></extra>",
         ))
+        # the line a held-out point's bar must clear: 99 % of the full drafter's own held-out τ (calibration τ is higher)
+        fig.add_hline(y=0.99 * full_eval, line=dict(color=OLIVE, dash="dot", width=1.5),
+                      annotation_text="99 % of full τ (held-out)", annotation_position="bottom right")
     healed = [p for p in pts if "healed" in p]
     if healed:
         ctl = curve.get("heal_control")

@@ -877,7 +877,10 @@ def build_demo() -> gr.Blocks:
                                                   interactive=False, wrap=True)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
-                gr.Markdown("This race's acceptance. How τ and speed change with the block size B: **Benchmarks › Acceptance and block "
+                gr.Markdown("This race's acceptance. d3d-seq and d3d-async share one drafter, yet their τ can differ: the drafter's "
+                            "int8 layers scale each batch of rows as a whole and the two modes draft in different batches, so where the "
+                            "drafter is unsure they guess differently (with `D3D_DRAFTER_INT8=off` their τ agree). How τ and speed "
+                            "change with the block size B: **Benchmarks › Acceptance and block "
                             "size** (a bench sweep). The app shows several τ (this race's, the bench's, offline, calibration, held-out): "
                             "**How it works › Which τ is which** says how each is measured and why they differ.", elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
