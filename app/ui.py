@@ -788,7 +788,7 @@ def build_demo() -> gr.Blocks:
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples (the first is the lesson's), each with d3d-seq's τ over its first 96 tokens (a longer race reads another τ)")
+                                    label="Examples · τ: tokens per round (accepted drafts + bonus), d3d-seq, 96 tokens")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
