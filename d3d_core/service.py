@@ -576,10 +576,10 @@ def run_prices(result: Optional[dict], mode: str = "d3d-seq", dataset: str = "gs
     row = next((x for x in result.get("summary") or [] if x.get("mode") == mode and x.get("dataset") == dataset), None)
     if row and row.get("speedup"):
         out["speedup"] = row["speedup"]
-    return out or None
+    return dict(out, mode=mode, dataset=dataset) if out else None
 
 
-def prices_text(p: Optional[dict], mode: str = "d3d-seq") -> str:
+def prices_text(p: Optional[dict]) -> str:
     """One clause from ``run_prices``: "d3d-seq 1.63× on gsm8k; a forward over 8 tokens cost 1.03× one token's
     (41.3 / 39.9 ms), a D3D draft 11.6 ms"."""
     if not p:
@@ -588,8 +588,8 @@ def prices_text(p: Optional[dict], mode: str = "d3d-seq") -> str:
     if "fwd8_over_1" in p:
         bits.append(f"a forward over 8 tokens cost {p['fwd8_over_1']:.2f}× one token's ({p['fwd8_ms']:.1f} / {p['fwd1_ms']:.1f} ms)")
     if "draft_ms" in p:
-        bits.append(f"a {'DFlash' if mode == 'dflash' else 'D3D'} draft {p['draft_ms']:.1f} ms")
-    head = f"{mode} {p['speedup']:.2f}× on gsm8k" if "speedup" in p else ""
+        bits.append(f"a {'DFlash' if p['mode'] == 'dflash' else 'D3D'} draft {p['draft_ms']:.1f} ms")
+    head = f"{p['mode']} {p['speedup']:.2f}× on {p['dataset']}" if "speedup" in p else ""
     return head + ("; " if head and bits else "") + ", ".join(bits)
 
 

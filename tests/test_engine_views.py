@@ -140,6 +140,7 @@ def test_two_runs_of_one_mode_are_told_apart_by_what_their_machines_charged():
     assert p["fwd8_over_1"] == 1.25 and p["draft_ms"] == 11.0 and p["speedup"] == 1.3
     assert service.prices_text(p) == "d3d-seq 1.30× on gsm8k; a forward over 8 tokens cost 1.25× one token's (50.0 / 40.0 ms), a D3D draft 11.0 ms"
     assert service.run_prices(None) is None and service.run_prices({"rows": []}) is None and service.prices_text(None) == ""
+    assert service.prices_text(service.run_prices(run, "d3d-seq", "mt_bench")) == "a forward over 8 tokens cost 1.25× one token's (50.0 / 40.0 ms)"
     src = service.bench_sources("smollm2-135m")
     measured, fp32 = service.bench_result("smollm2-135m"), service.engine_runs("smollm2-135m")[1].get("fast")
     if fp32 is not measured:  # two runs shipped: the sentence quotes both, from the files
