@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from d3d_core.decoding.plan import plan_label, plan_of
 from d3d_core.decoding.trace import Trace, hit_rate_of, idle_time, needed_verdicts, overlap_share
-from d3d_core.measure.economics import race_economics
+from d3d_core.measure.economics import SHARED_CORES_SLOWER, race_economics, verify_vs_seq
 
 # Okabe-Ito: the work (what a lane does) and its verdicts
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
@@ -210,9 +210,8 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
             cost = f", each followed by a sync draft of {sum(sync) / len(sync):.0f} ms the target waits for" if sync else ""
             parts.append(f"{1 - hr:.0%} of the rounds that needed a next block missed{cost} ({n_sync} sync drafts)")
         seq = ec.get("d3d-seq")
-        if seq is not None and seq.t_verify_ms > 0 and not projected:
-            r = e.t_verify_ms / seq.t_verify_ms
-            if r >= 1.1:
+        if (r := verify_vs_seq(e, seq)) is not None and not projected:
+            if r >= SHARED_CORES_SLOWER:
                 parts.append(f"its verify ran {r:.2f}× as long as d3d-seq's ({e.t_verify_ms:.0f} vs {seq.t_verify_ms:.0f} ms): "
                              "the two lanes share the cores and the memory bus")
             elif r <= 0.9:

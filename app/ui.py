@@ -17,7 +17,7 @@ import gradio as gr
 from d3d_core import service
 from d3d_core.decoding.trace import MODES
 from d3d_core.limits import APP_CONCURRENCY, APP_QUEUE_MAX, APP_RACE_SECONDS, APP_SESSION_TTL_S, APP_TEMP_MAX_AGE_S
-from d3d_core.measure.economics import race_economics
+from d3d_core.measure.economics import SHARED_CORES_SLOWER, race_economics, verify_vs_seq
 from d3d_core.measure.latency import measured_taus, project_modes
 from d3d_core.measure.reading import race_load
 
@@ -157,10 +157,10 @@ def economics_sentences(state) -> str:
     econ = [e for e in race_economics(trs) if e.sentence()]
     lines = [f"- {e.headline(define=i == 0)}" for i, e in enumerate(econ)]  # the first says what τ and break-even τ are
     by = {e.mode: e for e in econ}
-    a, s = by.get("d3d-async"), by.get("d3d-seq")
-    if a and s and a.t_verify_ms and s.t_verify_ms and a.t_verify_ms >= 1.1 * s.t_verify_ms and not a.flags and a.speedup is not None:
+    a, r = by.get("d3d-async"), verify_vs_seq(by.get("d3d-async"), by.get("d3d-seq"))
+    if r is not None and r >= SHARED_CORES_SLOWER and not a.flags and a.speedup is not None:
         i = econ.index(a)  # why the overlapping mode can lose to the sequential one, where it can be seen
-        lines[i] = (lines[i].rstrip(".") + f"; its verify ran {a.t_verify_ms / s.t_verify_ms:.2f}× as long as d3d-seq's, beside the "
+        lines[i] = (lines[i].rstrip(".") + f"; its verify ran {r:.2f}× as long as d3d-seq's, beside the "
                     "packed pass on the same cores.")
     note = drafter_confound(trs)
     out = "\n".join(lines)

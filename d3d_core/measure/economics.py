@@ -216,6 +216,16 @@ def _measure(trace: Optional[Trace]) -> Optional[dict]:
     return e
 
 
+SHARED_CORES_SLOWER = 1.1  # d3d-async's verify this many times d3d-seq's or more: the lanes' sharing of the cores shows
+
+
+def verify_vs_seq(async_e: Optional["Economics"], seq_e: Optional["Economics"]) -> Optional[float]:
+    """d3d-async's mean verify over d3d-seq's in one race (how much the packed pass beside it slowed it), or None."""
+    if async_e is None or seq_e is None or not async_e.t_verify_ms or not seq_e.t_verify_ms:
+        return None
+    return async_e.t_verify_ms / seq_e.t_verify_ms
+
+
 def race_economics(traces: list) -> list:
     """Economics of every finished trace of a race, ar (measured once) as everyone's yardstick."""
     ar = next((t for t in traces if t is not None and t.mode == "ar" and t.stats is not None), None)
