@@ -159,14 +159,9 @@ DEPTH = """
 The default D3D drafter has 8 layers. **`d3d-deep`** (the Race tab's *D3D drafter* picker) runs all 30 of the
 target's layers, frozen, plus small trained **adapters** (rank 64, 9 MB) that act only on the MASK slots. Its
 anchor slot computes exactly what the target computes, so **draft 1 is always the target's own next token**;
-the MASK slots learn the rest. On the bench (gsm8k, 128 new tokens, drafting every round) it reaches **τ 3.23**,
-against the default's 2.20.
+the MASK slots learn the rest.
 But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about as much as
-a verify**@DEEP_COST@, so a round costs about two verifies. In its bench (a 2-core AMD EPYC with AVX-512, fp32 engine, like the Measured bench) `d3d-seq` with it was **1.25×** `ar` on gsm8k
-(1.04× on mt_bench), and `d3d-async` only 0.54×: on two cores each lane slows the other, and a draft as long as
-a verify cannot hide behind it. (The overlap probe reads a 30-layer async round at about d3d-seq's speed, but it
-packs one hypothesis that always hits; the bench packs H = 4, a pass several drafts long, and misses often.) The default 8-layer drafter reached 1.69× on gsm8k drafting every round in the Measured bench's run (the same
-EPYC; 1.63× with the draft gate, the table's figure).
+a verify**@DEEP_COST@, so a round costs about two verifies.@DEEP_BENCH@
 Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
 **Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1
 it costs about one verify there too — not a fraction of one. What a GPU can change is the overlap: on its own
@@ -296,21 +291,41 @@ cost breakdown's *step* is one forward alone, median of several, at a fixed 300-
 machine. The race's is the one its break-even τ and its speedups use; expect it to be the larger.
 """
 
-def depth(costs: Optional[dict]) -> str:
-    """The deeper-drafter section, with the shipped cost breakdown's overlap probe at depth 30 when it has one."""
+def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional[dict] = None) -> str:
+    """The deeper-drafter section, with the shipped cost breakdown's overlap probe at depth 30 when it has one, and
+    the whole d3d-deep's shipped bench (``service.deep_benches``) beside the 8-layer drafter's bench on the same engine
+    (``engine_bench``) when they are shipped."""
+    whole = next((b for b in deep_benches if not str(((b.get("config") or {}).get("skip_layers")) or "")), None)
+    bench = ""
+    seq, asy = (_avg(whole, m) if whole else None for m in ("d3d-seq", "d3d-async"))
+    if seq and asy:
+        m = whole.get("machine") or {}
+        eng = {"fast": "fp32"}.get(str((whole.get("config") or {}).get("engine")), (whole.get("config") or {}).get("engine"))
+        bench = (f" In its bench (Pruning tab › *Raced*: {m.get('cpu', 'an unrecorded CPU')}, {eng} engine"
+                 + (f", {m['date'][:10]}" if m.get("date") else "") + f") `d3d-seq` with it reached τ **{seq['tau']:.2f}** "
+                 f"pooled over its prompts and ran at **{seq['speedup']:.2f}×** `ar`, `d3d-async` {asy['speedup']:.2f}×")
+        eight = _avg(engine_bench, "d3d-seq") if engine_bench else None
+        if eight:
+            bench += f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that engine's bench"
+        bench += (". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it. (The "
+                  "overlap probe reads a 30-layer async round near d3d-seq's speed, but it packs one hypothesis that always "
+                  "hits; the bench packs H = 4, a pass several drafts long, and misses often.)")
     row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
-    cost = (f" (Benchmarks › *Where the time goes*, the overlap probe: a 30-layer draft takes {row['draft_per_verify']:.0%} of "
-            f"a verify({costs['overlap'].get('B', 8)})'s time, {row['draft_ms']:.0f} against {row['verify_ms']:.0f} ms)") if row else ""
-    return DEPTH.replace("@DEEP_COST@", cost)
+    step = max((r for r in (costs or {}).get("rows") or [] if r.get("forward") == "step"), key=lambda r: r.get("threads") or 0, default=None)
+    steps = f", {row['draft_ms'] / step['wall_ms']:.1f} one-token steps of {step['wall_ms']:.0f} ms" if row and step else ""
+    cost = (f" (Benchmarks › *Where the time goes*, the overlap probe: a 30-layer draft takes {row['draft_ms']:.0f} ms{steps}, "
+            f"a verify({costs['overlap'].get('B', 8)}) {row['verify_ms']:.0f} ms)") if row else ""
+    return DEPTH.replace("@DEEP_COST@", cost).replace("@DEEP_BENCH@", bench)
 
 
 SECTIONS = [DRAFT_VERIFY, VERIFY_PLAN, DRAFT_GATE, DFLASH, D3D, MISS, depth(None), PRUNING]
 
 
-def pruning_story(shallow: dict | None, deep: dict | None) -> str:
+def pruning_story(shallow: dict | None, deep: dict | None, deep_benches: list = ()) -> str:
     """How it works' pruning story told with the shipped curves' own figures (``assets/pruning/``): what the cheapest
     layer of each drafter costs, how many layers each can lose within 99 % of its held-out τ, and why the two differ —
-    or that a curve is not shipped. Pure: the same curves always tell the same story."""
+    or that a curve is not shipped; with ``deep_benches`` (``service.deep_benches``) also what racing the pruned deep
+    drafter changed for d3d-seq and d3d-async. Pure: the same curves always tell the same story."""
     def first(c):
         pts = (c or {}).get("curve") or []
         return pts[1] if len(pts) > 1 else None
@@ -345,7 +360,8 @@ def pruning_story(shallow: dict | None, deep: dict | None) -> str:
                 "Why the deep drafter does not keep its τ here: its anchor slot computes exactly the target's prediction "
                 "only while **every** target layer runs — that is why its draft 1 is always the target's token. Skip any "
                 "layer and the context rows' keys and values and the anchor's output all change, so draft 1 can be wrong, "
-                "and the adapters (which act on the MASK slots only) cannot repair the context rows, even with healing. "
+                "and the adapters act on the MASK slots only: they cannot repair the context rows or the anchor slot, and "
+                "healing retrains only them (not yet run on `d3d-deep`: its distillation data must be regenerated first). "
                 "A likely reason the preprint's result differs: a deep drafter trained as a drafter has depth to spare, "
                 "while a 135 M target's 30 narrow layers each carry part of its own prediction. What a removed layer buys "
                 "is small too: one of 30 layers is about 3 % of the draft's layers, so a layer must cost less than about "
@@ -353,4 +369,81 @@ def pruning_story(shallow: dict | None, deep: dict | None) -> str:
         else:
             out.append(f"As in the preprint, the deep drafter has layers to spare: {within(deep)} of {deep['layers']} go "
                        "within 99 % of its held-out τ, each saving a share of every draft.")
+    rows = deep_race(list(deep_benches))
+    full = {r["mode"]: r for r in rows if not r["skip"]}
+    raced = [(full[r["mode"]], r) for r in rows if r["skip"] and r["mode"] in full]
+    if raced:
+        said = "; ".join(f"`{r['mode']}` {f['speedup']:.2f}× → **{r['speedup']:.2f}×** `ar` (τ {f['tau']:.2f} → {r['tau']:.2f}"
+                         + (f", a draft {f['draft_ms']:.1f} → {r['draft_ms']:.1f} ms" if f["draft_ms"] and r["draft_ms"] else "") + ")"
+                         for f, r in raced)
+        out.append(f"**Raced** (the Pruning tab's *Raced* table, `d3d-deep` without layer(s) {raced[0][1]['skip']}): {said}. "
+                   "In `d3d-async` the removed layers also leave the packed pass, which runs beside the verify on the same "
+                   "cores: a shorter pass slows the verify for less time, so the overlap gains what the draft saved plus some of "
+                   "the verify's slowdown, while the lower τ costs every round.")
     return "\n\n".join(out)
+
+
+def _avg(result: dict, mode: str) -> Optional[dict]:
+    """A bench result's pooled ('average') summary row of ``mode``."""
+    return next((s for s in result.get("summary") or [] if s.get("mode") == mode and s.get("dataset") == "average"), None)
+
+
+def _span(result: dict, mode: str, span: str) -> Optional[float]:
+    """The mean ms of one span kind (draft, verify, step) of ``mode`` over a bench run's rows, weighted by count."""
+    tot = n = 0.0
+    for r in result.get("rows") or []:
+        s = ((r.get("span_ms") or {}).get(span) or {}) if r.get("mode") == mode else {}
+        if s.get("n"):
+            tot, n = tot + s["mean"] * s["n"], n + s["n"]
+    return tot / n if n else None
+
+
+def deep_race(benches: list) -> list:
+    """One row per (bench, drafting mode) of the deep drafter's shipped benches (``service.deep_benches``): which layers
+    it skipped, τ and speed against ``ar`` pooled over the run's datasets, the mean draft and verify ms, ar's step ms and
+    whether every answer equalled ar's. Pure."""
+    out = []
+    for b in benches:
+        skip = str(((b.get("config") or {}).get("skip_layers")) or "")
+        step = _span(b, "ar", "step")
+        for mode in ("d3d-seq", "d3d-async"):
+            row = _avg(b, mode)
+            if not row:
+                continue
+            out.append({"skip": skip, "mode": mode, "tau": row["tau"], "speedup": row["speedup"],
+                        "lossless": row["lossless_rate"], "draft_ms": _span(b, mode, "draft"),
+                        "verify_ms": _span(b, mode, "verify"), "step_ms": step})
+    return out
+
+
+def deep_race_text(benches: list, provenance: str = "") -> str:
+    """The Pruning tab's 'raced' section for d3d-deep: the whole and the pruned drafter in the shipped benches, as a
+    table, then what removing the layers bought (draft ms, τ, speed). "" when no deep bench is shipped."""
+    rows = deep_race(benches)
+    if not rows:
+        return ""
+    def ms(x):
+        return f"{x:.1f}" if x is not None else "–"
+    lines = ["**Raced, whole and pruned** (`bench --d3d-drafter d3d-deep [--skip-layers …]`; speed against `ar` in the same run, "
+             "pooled over its prompts; *same as ar*: share of answers identical to ar's)",
+             "", "| d3d-deep | mode | τ | speed vs ar | draft ms | verify ms | same as ar |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"without L{r['skip'].replace(',', ', L')}" if r["skip"] else "all 30 layers"
+        lines.append(f"| {name} | {r['mode']} | {r['tau']:.2f} | {r['speedup']:.2f}× | {ms(r['draft_ms'])} | {ms(r['verify_ms'])} | "
+                     f"{r['lossless']:.0%} |")
+    full = {r["mode"]: r for r in rows if not r["skip"]}
+    pruned = [r for r in rows if r["skip"] and r["mode"] in full]
+    said = []
+    for r in pruned:
+        f = full[r["mode"]]
+        if r["draft_ms"] and f["draft_ms"]:
+            saved = (f["draft_ms"] - r["draft_ms"]) / f["draft_ms"]
+            said.append(f"{r['mode']}: a draft {f['draft_ms']:.1f} → {r['draft_ms']:.1f} ms "
+                        f"({abs(saved):.0%} {'less' if saved >= 0 else 'more, although layers were removed'}), "
+                        f"τ {f['tau']:.2f} → {r['tau']:.2f}, "
+                        f"speed {f['speedup']:.2f}× → {r['speedup']:.2f}× ar")
+    if said:
+        lines += ["", "Removing the layers: " + "; ".join(said) + "."]
+    if provenance:
+        lines += ["", provenance]
+    return "\n".join(lines)

@@ -335,11 +335,11 @@ def _econ_html(e) -> str:
     if e.mode != "ar":
         t, p = whole_ms(e.round_ms, list(e.round_parts_ms()))
         lines.append(f"{_term('round')} {t} ms = " + parts.format(*p))
-        c = f"{_term('T_verify')} {e.t_verify_ms:.0f} ms"
+        c = f"{_term('T_verify')} {e.t_verify_ms:.1f} ms"
         if e.t_draft_ms is not None:
-            c += f" · {_term('T_draft')} {e.t_draft_ms:.0f}"
+            c += f" · {_term('T_draft')} {e.t_draft_ms:.1f}"
         if e.t_packed_ms is not None:
-            c += f" · {_term('T_packed')} {e.t_packed_ms:.0f}"
+            c += f" · {_term('T_packed')} {e.t_packed_ms:.1f}"
         lines.append(c)
         if e.flags:
             lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))

@@ -525,6 +525,18 @@ def load_pruning(bundle, state, drafter="d3d"):
             figures.pruning_curve_figure(curve, layer_ms=per_layer), figures.marginal_cost_figure(curve), state)
 
 
+def raced_view(bundle, drafter="d3d") -> str:
+    """The Pruning tab's raced section: d3d-deep whole and pruned in the shipped benches, with their machine; "" for the
+    8-layer drafter (the Measured bench races it whole)."""
+    if drafter != "d3d-deep":
+        return ""
+    benches = service.deep_benches(bundle)
+    if not benches:
+        return ("No bench of `d3d-deep` is shipped for this bundle (`python -m d3d_core.measure.bench --d3d-drafter d3d-deep "
+                "[--skip-layers 3]`).")
+    return explain.deep_race_text(benches, service.provenance(benches[0]))
+
+
 def _pruned_tau(bundle, skip, drafter="d3d") -> tuple:
     """(offline τ with ``skip``, τ with every layer, calibration anchors): the GPU part of the Pruning tab (it runs the
     drafter, and on a bundle without a shipped calibration set the target too)."""
@@ -587,7 +599,7 @@ def engines_views(bundle) -> tuple:
     costs4 = service.cost_breakdown(bundle, "int4")
     return (engine_views.engines_text(engines, benches) + (("\n\n" + prov) if prov else ""),
             engine_views.engines_table(engines), engine_views.speculation_by_engine_figure(benches, engines),
-            service.provenance(costs4), figures.cost_breakdown_figure(costs4))
+            engine_views.int4_costs_text(costs4) + "\n\n" + service.provenance(costs4), figures.cost_breakdown_figure(costs4))
 
 
 def bench_views(bundle) -> tuple:
@@ -781,7 +793,8 @@ def build_demo() -> gr.Blocks:
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info="d3d-deep: all the target's layers + rank-64 adapters (small trained low-rank weights that act "
-                                                 "only on the MASK slots). Higher τ, but here each draft costs about one target step: race both and compare.")
+                                                 "only on the MASK slots, the block positions still to be guessed). Higher τ, but each draft reads every "
+                                                 "layer, as a verify does, and costs about as much: race both and compare.")
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
                                              info="a target model with the drafters trained for it; smollm2-135m is read from its GGUF "
@@ -896,6 +909,7 @@ def build_demo() -> gr.Blocks:
                 with gr.Row():
                     p_curve = gr.Plot(figures.pruning_curve_figure(None), label="Pruning curve")
                     p_marg = gr.Plot(figures.marginal_cost_figure(None), label="Marginal cost")
+                p_raced = gr.Markdown(elem_id="prune-raced")
                 p_load = gr.Button("Reload layers and curve")
             with gr.Tab("Benchmarks", id="benchmarks"):
                 # short sections, one at a time (the page fits a 1000 px screen); the first says what the others hold
@@ -923,7 +937,9 @@ def build_demo() -> gr.Blocks:
                                 gr.Markdown(service.provenance(service.block_sweep_result(home)), elem_id="sweep-provenance")
                     with gr.Tab("Where the time goes", id="bench-costs"):
                         gr.Markdown("**Where the time goes** (`python -m d3d_core.measure.costs`): each forward's wall time split into the layer GEMMs, "
-                                    "attention, the LM head and everything else, against the bound the measured machine's bandwidth and GEMM rate put on it (its first line names it). "
+                                    "attention, the LM head and everything else. The black diamond is a yardstick, not a floor: the forward's bytes at the read speed a plain "
+                                    "copy reached in the same run (or its FLOPs at the measured GEMM rate, whichever is longer). GEMMs that stream their weights faster than a plain copy "
+                                    "finish inside it; a bar far beyond it is time a faster engine could still win. The machine is named in the line below. "
                                     "Speculation pays when verify(B) (one target forward over B tokens) costs about one step and a draft a small "
                                     "fraction of one.")
                         b_cprov = gr.Markdown(v_cprov)
@@ -943,10 +959,6 @@ def build_demo() -> gr.Blocks:
                                                interactive=False)
                         b_efig = gr.Plot(e_fig, label="Speculation per engine (a bench per engine)")
                     with gr.Tab("int4 step costs", id="bench-int4-costs"):
-                        gr.Markdown("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read "
-                                    "a fifth of fp32's bytes, but torch's int4 kernel streams them at about 15 GB/s on the Xeon this was measured on (unpacking them, "
-                                    "not memory, sets its speed); the glue around them (Python, norms, casts, RoPE, KV writes: “everything else”) "
-                                    "and attention take about as long again; a verify of 8 rows costs about two steps here, not one.")
                         b_ecprov = gr.Markdown(e_cprov)
                         b_ecosts = gr.Plot(e_costs, label="Cost breakdown, int4 engine")
                     with gr.Tab("Model check", id="bench-model-check"):
@@ -1005,10 +1017,13 @@ def build_demo() -> gr.Blocks:
                         gr.Plot(figures.diagram_d3d_async(service.cost_breakdown(home)), label="D3D async")
                         gr.Markdown(explain.MISS)
                     with gr.Tab("5 · A deeper drafter", id="explain-depth"):
-                        gr.Markdown(explain.depth(service.cost_breakdown(home)))
+                        deep = service.deep_benches(home)
+                        deep_engine = str(((deep[0].get("config") or {}).get("engine")) or "") if deep else ""
+                        gr.Markdown(explain.depth(service.cost_breakdown(home), deep, service.engine_runs(home)[1].get(deep_engine)))
                     with gr.Tab("6 · Skipping drafter layers", id="explain-pruning"):
                         gr.Markdown(explain.PRUNING)
-                        gr.Markdown(explain.pruning_story(service.pruning_curve(home), service.pruning_curve(home, "d3d-deep")),
+                        gr.Markdown(explain.pruning_story(service.pruning_curve(home), service.pruning_curve(home, "d3d-deep"),
+                                                          service.deep_benches(home)),
                                     elem_id="pruning-story")
                         gr.Plot(figures.diagram_pruning(), label="Pruning")
                     with gr.Tab("Which τ is which", id="explain-which-tau"):
@@ -1059,6 +1074,8 @@ def build_demo() -> gr.Blocks:
         p_evt = dict(concurrency_limit=decode_concurrency(), concurrency_id="decode")
         p_load.click(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name="pruning_curve")
         p_drafter.change(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
+        p_drafter.change(raced_view, [bundle, p_drafter], [p_raced], api_name=False)
+        demo.load(raced_view, [bundle, p_drafter], [p_raced], api_name=False)
         p_layers.input(measure_pruned, [bundle, p_layers, pstate, p_drafter], [p_msg, p_curve, pstate], api_name="measure_pruned", **p_evt)
         bundle.change(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")

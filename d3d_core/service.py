@@ -461,6 +461,24 @@ def bench_result(bundle_name: str) -> Optional[dict]:
     return _asset_json("bench", f"{bundle_name}.json", schema="bench result")
 
 
+def deep_benches(bundle_name: str) -> list:
+    """The shipped benches of the deep D3D drafter, whole and pruned (``bench --d3d-drafter d3d-deep [--skip-layers
+    L,...]``, saved as ``assets/bench/<bundle>-d3d-deep*.json``), each a bench result; the whole drafter first, then by
+    layers removed."""
+    out = []
+    for f in sorted((_bundles.ASSETS / "bench").glob(f"{bundle_name}-d3d-deep*.json")):
+        d = _asset_json("bench", f.name, schema="bench result")
+        if d:
+            out.append(d)
+    return sorted(out, key=lambda d: len(skipped_layers(d)))
+
+
+def skipped_layers(result: dict) -> list:
+    """The drafter layers a bench result skipped (its ``--skip-layers``), as ints."""
+    s = str(((result or {}).get("config") or {}).get("skip_layers") or "")
+    return [int(x) for x in s.replace(" ", "").split(",") if x]
+
+
 def default_block(bundle_name: str) -> int:
     """The app's default block size for a bundle (without loading it)."""
     return BUNDLES[bundle_name].block_size if bundle_name in BUNDLES else 8

@@ -54,7 +54,7 @@ def test_the_tab_reads_shipped_engine_runs_and_says_when_there_are_none():
     assert service.engine_runs("toy") == (None, {})
     text, table, fig, cprov, costs = engines_views("toy")
     assert text.startswith("No engine comparison") and table.empty and "no bench result" in fig.layout.annotations[0].text
-    assert cprov == "" and "No cost breakdown" in costs.layout.annotations[0].text
+    assert "no int4 cost table is shipped" in cprov and "No cost breakdown" in costs.layout.annotations[0].text
 
 
 def test_the_int4_cost_breakdown_is_shown_beside_the_engines():
@@ -66,6 +66,8 @@ def test_the_int4_cost_breakdown_is_shown_beside_the_engines():
     *_, cprov, costs = engines_views("smollm2-135m")
     assert "int4 engine" in costs.layout.title.text and shipped["machine_info"]["cpu"].split(" (")[0] in cprov
     step = next(r for r in shipped["rows"] if r["forward"] == "step" and r["threads"] == 2)
+    v8 = next(r for r in shipped["rows"] if r["forward"] == "verify(8)" and r["threads"] == 2)
+    assert f"a step took **{step['wall_ms']:.1f} ms** and a verify of 8 rows **{v8['per_step']:.2f} steps**" in cprov  # read, not written
     bars = {t.name: t.x[list(t.y).index("step")] for t in costs.data if t.type == "bar"}
     assert sum(bars.values()) == __import__("pytest").approx(step["wall_ms"])
 
@@ -102,8 +104,15 @@ def test_every_benchmarks_section_names_its_run():
     rows = service.cost_breakdown("smollm2-135m")["overlap"]["rows"]
     paid = [str(r["depth"]) for r in rows if r["pays"]]
     assert ("paid only at drafter depth " + ", ".join(paid)) in ov or "every measured" in ov or "did not pay" in ov
-    assert figures.overlap_text({"overlap": {"B": 8, "H": 1, "rows": [{"depth": 8, "draft_per_verify": 0.3, "async_over_seq": 0.9, "pays": False}]}}).startswith(
-        "**Overlapping did not pay at any measured drafter depth**")
+    row = {"depth": 8, "verify_ms": 50.0, "draft_ms": 15.0, "draft_per_verify": 0.3, "seq_round_ms": 65.0, "async_round_ms": 73.0,
+           "verify_1t_concurrent_ms": 72.0, "packed_1t_concurrent_ms": 30.0, "async_over_seq": 0.89, "pays": False}
+    text = figures.overlap_text({"overlap": {"B": 8, "H": 1, "rows": [row]}})
+    assert text.startswith("**Overlapping did not pay at any measured drafter depth**")
+    assert "sharing the cores cost the verify 22.0 ms to hide a 15.0 ms draft — a loss" in text  # the cause, in ms
+    deep = {**row, "depth": 30, "draft_ms": 48.0, "packed_1t_concurrent_ms": 100.0, "verify_1t_concurrent_ms": 90.0}
+    assert "the packed pass outlasted the verify" in figures.overlap_text({"overlap": {"B": 8, "H": 1, "rows": [deep]}})
+    for r in rows:  # the shipped probe's rows, each explained by its own figures (no share of a verify beside a share of a step)
+        assert f"**{r['async_over_seq']:.2f}×** d3d-seq's speed" in ov and f"{r['draft_per_verify']:.0%}" not in ov
 
 
 def test_one_fp32_run_feeds_both_the_measured_bench_and_the_engines_tab(monkeypatch):

@@ -503,7 +503,9 @@ def test_how_it_works_makes_no_unsupported_gpu_claim():
 
     costs = service.cost_breakdown("smollm2-135m")  # the deep drafter's draft cost, from the shipped probe, not a phrase
     row = next(r for r in costs["overlap"]["rows"] if r["depth"] == 30)
-    assert f"a 30-layer draft takes {row['draft_per_verify']:.0%} of a verify(8)'s time" in explain.depth(costs)
+    step = next(r for r in costs["rows"] if r["forward"] == "step" and r["threads"] == max(x["threads"] for x in costs["rows"]))
+    assert (f"a 30-layer draft takes {row['draft_ms']:.0f} ms, {row['draft_ms'] / step['wall_ms']:.1f} one-token steps of "
+            f"{step['wall_ms']:.0f} ms, a verify(8) {row['verify_ms']:.0f} ms") in explain.depth(costs)
     assert "@" not in explain.depth(costs) + explain.depth(None) and "Where the time goes" not in explain.depth(None)
     assert "Which τ is which" in explain.WHICH_TAU and "T_step" in explain.WHICH_TAU
     for term in ("**D3D**", "**DFlash**", "**block diffusion**", "MASK slots", "**teacher forcing**", "**healing**", "Q4_1", "HBM"):

@@ -146,7 +146,8 @@ def measured_taus(result: Optional[dict], dataset: str = "gsm8k") -> tuple:
     where = f"bench {dataset}, B = {B}: " + ", ".join(f"{m} τ {t:.2f} ({src[m]})" for m, t in out.items()) if out else ""
     if "drafting every round" in src.values():  # not the table's τ: say which rows, so the two numbers do not disagree
         where += (" — drafting every round: the same bench's rows with the draft gate off, whose τ is above the Measured "
-                  "bench table's gated τ (that one counts a round the gate skipped as 1)")
+                  "bench table's gated τ (that one counts a round the gate skipped as 1); they are " + dataset + "'s alone, so they are "
+                  "not the table's '(… drafting always)' rows either, which average every dataset")
     return out, B, where
 
 

@@ -1,0 +1,52 @@
+"""The Pruning tab's raced section for d3d-deep: whole and pruned benches read into one table (pure; no model)."""
+
+from app import explain
+
+
+def _bench(skip: str, tau: float, speed: float, draft: float, lossless: float = 1.0) -> dict:
+    span = {"draft": {"mean": draft, "n": 10}, "verify": {"mean": 40.0, "n": 10}}
+    rows = [{"mode": "ar", "dataset": "gsm8k", "span_ms": {"step": {"mean": 25.0, "n": 100}}},
+            {"mode": "d3d-seq", "dataset": "gsm8k", "span_ms": span}, {"mode": "d3d-async", "dataset": "gsm8k", "span_ms": span}]
+    summary = [{"dataset": "average", "mode": m, "tau": tau, "speedup": speed, "lossless_rate": lossless} for m in ("d3d-seq", "d3d-async")]
+    return {"config": {"skip_layers": skip}, "rows": rows, "summary": summary}
+
+
+def test_deep_race_table_names_the_pruned_layers_and_what_removing_them_bought():
+    text = explain.deep_race_text([_bench("", 3.0, 1.10, 50.0), _bench("3", 2.8, 1.15, 48.0)], "Measured on X")
+    assert "| all 30 layers | d3d-seq | 3.00 | 1.10× | 50.0 | 40.0 | 100% |" in text
+    assert "| without L3 | d3d-async | 2.80 | 1.15× | 48.0 | 40.0 | 100% |" in text
+    assert "d3d-seq: a draft 50.0 → 48.0 ms (4% less), τ 3.00 → 2.80, speed 1.10× → 1.15× ar" in text
+    assert text.endswith("Measured on X")
+    several = explain.deep_race_text([_bench("", 3.0, 1.1, 50.0), _bench("3,27", 2.5, 1.0, 46.0, 0.95)])
+    assert "| without L3, L27 | d3d-seq | 2.50 | 1.00× | 46.0 | 40.0 | 95% |" in several
+
+
+def test_no_deep_bench_says_nothing_and_a_mode_missing_is_left_out():
+    assert explain.deep_race_text([]) == ""
+    b = _bench("", 3.0, 1.1, 50.0)
+    b["summary"] = [s for s in b["summary"] if s["mode"] == "d3d-seq"]
+    rows = explain.deep_race([b])
+    assert [r["mode"] for r in rows] == ["d3d-seq"] and rows[0]["step_ms"] == 25.0
+
+
+def test_how_it_works_tells_what_racing_the_pruned_deep_drafter_changed():
+    curve = {"layers": 30, "order": [3], "curve": [{"removed": 0, "tau": 3.3, "tau_rel": 1.0, "tau_eval": 2.9, "tau_eval_rel": 1.0},
+                                                  {"removed": 1, "tau": 3.1, "tau_rel": 0.94, "tau_eval": 2.7, "tau_eval_rel": 0.92}]}
+    s = explain.pruning_story(None, curve, [_bench("3", 2.8, 0.90, 48.0), _bench("", 3.0, 0.85, 50.0)])
+    assert "`d3d-seq` 0.85× → **0.90×** `ar` (τ 3.00 → 2.80, a draft 50.0 → 48.0 ms)" in s and "without layer(s) 3" in s
+    assert "**Raced**" not in explain.pruning_story(None, curve)
+
+
+def test_the_deeper_drafter_section_quotes_the_shipped_deep_bench_beside_the_same_engines_bench():
+    whole = _bench("", 2.9, 0.80, 50.0) | {"machine": {"cpu": "AMD EPYC (AVX2)", "date": "2026-12-07 16:00 UTC"}}
+    whole["config"]["engine"] = "int4"
+    eight = {"summary": [{"dataset": "average", "mode": "d3d-seq", "tau": 1.1, "speedup": 0.91}]}
+    s = explain.depth(None, [_bench("3", 2.7, 0.82, 48.0), whole], eight)
+    assert "AMD EPYC (AVX2), int4 engine, 2026-12-07) `d3d-seq` with it reached τ **2.90**" in s
+    assert "ran at **0.80×** `ar`, `d3d-async` 0.80×" in s and "the 8-layer drafter's `d3d-seq` reached τ 1.10 and 0.91×" in s
+    assert "@" not in s and "In its bench" not in explain.depth(None)
+
+
+def test_a_pruned_draft_that_read_slower_is_not_called_a_saving():
+    text = explain.deep_race_text([_bench("", 3.0, 1.0, 50.0), _bench("3", 2.9, 1.0, 55.0)])
+    assert "a draft 50.0 → 55.0 ms (10% more, although layers were removed)" in text and "-10%" not in text
