@@ -88,7 +88,7 @@ PRESET_NOTES = {
     "adaptive": ("**Refinement 2: the adaptive verify plan** (Verify plan: adaptive): verify only the drafts likely to "
                  "pay — a verify of fewer tokens costs less, and drafts the drafter itself doubts are held back (pale "
                  "yellow in Rounds). Race it and compare with the lesson's race."),
-    "fair": ("**The fair race: the fastest engine, both refinements on.** int4 makes ar about twice as fast, and on this "
-             "CPU a verify of 8 then costs about 2 plain steps (see Benchmarks): this is the honest test of whether "
+    "fair": ("**The fair race: the fastest engine, both refinements on.** int4 makes ar two to three times as fast, and on "
+             "the measured CPUs a verify of 8 then costs about 2 plain steps (Benchmarks › Engines and int4 step costs): this is the honest test of whether "
              "speculation pays here."),
 }
