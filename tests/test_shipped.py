@@ -102,13 +102,19 @@ def test_example_prompt_labels_quote_the_shipped_drafter_tau(smollm):
         assert abs(tau - quoted) <= 0.15, (label, round(tau, 2))
 
 
-def test_the_deep_drafter_text_quotes_its_bench():
-    """The How-it-works section on d3d-deep quotes its bench (docs/bench-d3d-deep.json): τ and speedups on gsm8k."""
+def test_the_deep_drafter_text_quotes_its_shipped_bench():
+    """How it works' d3d-deep section quotes the shipped deep bench (assets/bench/<bundle>-d3d-deep.json, the Pruning
+    tab's Raced table) beside the 8-layer drafter's bench on the same engine: pooled τ and speedups, read, not written."""
     from app import explain
+    from d3d_core import service
 
-    res = json.loads((ASSETS.parent / "docs" / "bench-d3d-deep.json").read_text())
-    got = {(r["dataset"], r["mode"]): r for r in res["summary"]}
-    assert f"τ {got[('gsm8k', 'd3d-async')]['tau']:.2f}" in explain.DEPTH
-    assert f"{got[('gsm8k', 'd3d-seq')]['speedup']:.2f}×" in explain.DEPTH
-    assert f"{got[('mt_bench', 'd3d-seq')]['speedup']:.2f}× on mt_bench" in explain.DEPTH
-    assert f"only {got[('gsm8k', 'd3d-async')]['speedup']:.2f}×" in explain.DEPTH
+    deep = service.deep_benches("smollm2-135m")
+    assert deep and not deep[0]["config"]["skip_layers"] and deep[0]["config"]["d3d_drafter"] == "d3d-deep"
+    got = {r["mode"]: r for r in deep[0]["summary"] if r["dataset"] == "average"}
+    engine = deep[0]["config"]["engine"]
+    eight = {r["mode"]: r for r in service.engine_runs("smollm2-135m")[1][engine]["summary"] if r["dataset"] == "average"}
+    text = explain.depth(service.cost_breakdown("smollm2-135m"), deep, service.engine_runs("smollm2-135m")[1][engine])
+    assert f"reached τ **{got['d3d-seq']['tau']:.2f}**" in text and f"**{got['d3d-seq']['speedup']:.2f}×** `ar`" in text
+    assert f"`d3d-async` {got['d3d-async']['speedup']:.2f}×" in text
+    assert f"reached τ {eight['d3d-seq']['tau']:.2f} and {eight['d3d-seq']['speedup']:.2f}×" in text
+    assert all(r["lossless_rate"] == 1.0 for d in deep for r in d["summary"] if r["mode"] != "ar")  # pruned or not, lossless
