@@ -59,9 +59,9 @@ pays for it. On some prompts that is most rounds (on MT-Bench the shipped drafte
 about one time in five). So with **Drafting: gated** (the fair race's setting; the lesson drafts every round):
 
 - the engine tracks what its last 16 drafted rounds earned, in **tokens per step of cost**;
-- while that is below what a plain step earns (1 token per step; in `d3d-async` the bar is set a little higher,
+- while that is below what a plain step earns (1 token per step; in `d3d-async` the bar is higher,
   because there a drafted round's verify shares the cores with the packed pass while a skipped round has them
-  all), it **skips the draft**: the target checks the anchor alone, exactly an `ar` step
+  all — so `d3d-async` skips many more rounds than `d3d-seq` on the same prompts), it **skips the draft**: the target checks the anchor alone, exactly an `ar` step
   (pale blue *no draft* rows in **Rounds**);
 - every 4 skipped rounds it drafts once as a **probe** (the wait doubles after each probe that does not pay, up
   to 32); a probe that pays reopens the gate.
@@ -281,14 +281,15 @@ prompts**, **how they are counted** and **which rounds count**:
 | **τ per drafted round** | Benchmarks histogram | the same bench, drafted rounds only, pooled over the chosen datasets | undrafted rounds left out (higher), datasets pooled (MT-Bench pulls it down) |
 | **the example chips' τ** | Race tab, *Examples* | d3d-seq, drafting every round, the first 96 new tokens of that prompt | fewer tokens than a full answer: the lesson race runs to the end (176 at most), where the harder tail lowers it |
 | **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
-| **quoted τ** | this page's text (e.g. 2.20) | one bench run, quoted once | a fixed reference, not re-measured |
+| **quoted τ** | this page's text (e.g. *A deeper drafter*'s τ) | a shipped bench run, read from its file | re-measured only when that bench is re-run |
 | **T_draft, d3d-seq vs d3d-async** | Race columns, Timeline | mean draft span on the critical path | d3d-seq's draft also writes the tokens the last round committed into the drafter's cache (up to `B` more rows); in d3d-async the packed pass already wrote them, so its sync draft after a miss is a little shorter |
 | **d3d-seq's τ vs d3d-async's** | Race columns | the same drafter, the same prompt | the drafter's int8 layers scale each batch of rows as a whole, and d3d-async drafts in other batches (a packed pass holds several guesses; a miss drafts again), so where the drafter is unsure the two modes guess differently at the same position; once one round accepts a different number of drafts the blocks start at different places and the two τ drift apart — either may be higher. With an fp32 drafter (`D3D_DRAFTER_INT8=off`) both modes draft the same block at every shared position and their τ agree |
 
 The same for time: **T_step** in the race is what `ar` paid per token *in that race* — its forward plus its own
 bookkeeping, at that prompt's context length, under whatever else the machine was doing; the **Benchmarks**
 cost breakdown's *step* is one forward alone, median of several, at a fixed 300-token context on a quiet
-machine. The race's is the one its break-even τ and its speedups use; expect it to be the larger.
+machine. The race's is the one its break-even τ and its speedups use; the two differ (another run, another
+context length, often another machine), in either direction.
 """
 
 def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional[dict] = None) -> str:
@@ -301,13 +302,18 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
     if seq and asy:
         m = whole.get("machine") or {}
         eng = {"fast": "fp32"}.get(str((whole.get("config") or {}).get("engine")), (whole.get("config") or {}).get("engine"))
-        bench = (f" In its bench (Pruning tab › *Raced*: {m.get('cpu', 'an unrecorded CPU')}, {eng} engine"
+        bench = (f" In its bench (the Pruning tab with `d3d-deep` picked, *Raced*: {m.get('cpu', 'an unrecorded CPU')}, {eng} engine"
                  + (f", {m['date'][:10]}" if m.get("date") else "") + f") `d3d-seq` with it reached τ **{seq['tau']:.2f}** "
                  f"pooled over its prompts and ran at **{seq['speedup']:.2f}×** `ar`, `d3d-async` {asy['speedup']:.2f}×")
         eight = _avg(engine_bench, "d3d-seq") if engine_bench else None
         if eight:
             bench += f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that engine's bench"
-        bench += (". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it. (The "
+        draft = _span(whole, "d3d-seq", "draft")
+        bench += (". Its τ counts the rounds the draft gate left undrafted as 1, so it sits below 2 although every drafted "
+                  "round keeps at least 2 tokens" + (f"; and a draft in that bench took {draft:.0f} ms, more than the probe's one "
+                  "draft of 8, because behind the gate a draft first runs every token committed since the drafter's last "
+                  "draft through its 30 layers" if draft else "")
+                  + ". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it. (The "
                   "overlap probe reads a 30-layer async round near d3d-seq's speed, but it packs one hypothesis that always "
                   "hits; the bench packs H = 4, a pass several drafts long, and misses often.)")
     row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
@@ -376,7 +382,7 @@ def pruning_story(shallow: dict | None, deep: dict | None, deep_benches: list = 
         said = "; ".join(f"`{r['mode']}` {f['speedup']:.2f}× → **{r['speedup']:.2f}×** `ar` (τ {f['tau']:.2f} → {r['tau']:.2f}"
                          + (f", a draft {f['draft_ms']:.1f} → {r['draft_ms']:.1f} ms" if f["draft_ms"] and r["draft_ms"] else "") + ")"
                          for f, r in raced)
-        out.append(f"**Raced** (the Pruning tab's *Raced* table, `d3d-deep` without layer(s) {raced[0][1]['skip']}): {said}. "
+        out.append(f"**Raced** (the Pruning tab with `d3d-deep` picked, its *Raced* table: without layer(s) {raced[0][1]['skip']}): {said}. "
                    "In `d3d-async` the removed layers also leave the packed pass, which runs beside the verify on the same "
                    "cores: a shorter pass slows the verify for less time, so the overlap gains what the draft saved plus some of "
                    "the verify's slowdown, while the lower τ costs every round.")
@@ -443,7 +449,31 @@ def deep_race_text(benches: list, provenance: str = "") -> str:
                         f"τ {f['tau']:.2f} → {r['tau']:.2f}, "
                         f"speed {f['speedup']:.2f}× → {r['speedup']:.2f}× ar")
     if said:
-        lines += ["", "Removing the layers: " + "; ".join(said) + "."]
+        lines += ["", "Removing the layers: " + "; ".join(said) + ". *draft ms* is a bench draft's mean: behind the draft "
+                  "gate a draft first runs every token committed since the drafter's last draft, so it grows with the rounds "
+                  "the gate skipped, and a few % between two runs is noise; τ counts skipped rounds as 1."]
     if provenance:
         lines += ["", provenance]
     return "\n".join(lines)
+
+
+def pruning_round(costs: Optional[dict], draft_ms: Optional[float], per_layer_ms: Optional[float], removed: int,
+                  what: str = "a draft") -> str:
+    """What removing ``removed`` drafter layers does to a d3d-seq round of B = 8 on the cost table's machine (its most
+    threads): the draft shrinks by ``removed`` × ``per_layer_ms``, the round (draft + verify(8)) by the same ms, so
+    break-even τ = round / step falls by that share — and pruning pays only while τ falls by less. Pure; "" without
+    the figures."""
+    rows = (costs or {}).get("rows") or []
+    if not rows or not draft_ms or not per_layer_ms or removed <= 0:
+        return ""
+    th = max(r["threads"] for r in rows)
+    by = {r["forward"]: r["wall_ms"] for r in rows if r["threads"] == th}
+    step, v8 = by.get("step"), by.get("verify(8)")
+    if not step or not v8:
+        return ""
+    saved = min(removed * per_layer_ms, draft_ms)
+    before, after = (draft_ms + v8) / step, (draft_ms - saved + v8) / step
+    return (f" · saves about **{saved:.1f} ms per draft** ({saved / draft_ms:.0%} of {what}'s {draft_ms:.0f} ms, "
+            f"{per_layer_ms:.1f} ms a layer) on the cost table's machine: d3d-seq's round of B = 8 (draft + verify(8) "
+            f"{v8:.0f} ms) goes from {before:.2f} to {after:.2f} steps of {step:.0f} ms, its **break-even τ** falls "
+            f"{1 - after / before:.1%} — so pruning pays only if τ falls by less than that")

@@ -807,7 +807,14 @@ def overlap_text(costs: Optional[dict]) -> str:
     probe8 = next((r for r in ov["rows"] if r["depth"] == 8 and r.get("draft_ms")), None)
     vs = (f" — the shipped 8-layer drafter, its MLPs in int8, drafts in {shipped['wall_ms']:.1f} ms on every thread in the cost "
           f"table, against this probe's {probe8['draft_ms']:.1f} ms at depth 8") if shipped and probe8 else ""
-    return (f"{head}: d3d-async's round against d3d-seq's (not against ar), on the machine named above.\n\n" + "\n".join(parts)
+    vs_ = [r["verify_ms"] for r in ov["rows"]]
+    th = max((r["threads"] for r in costs.get("rows") or []), default=None)
+    bar = next((r["wall_ms"] for r in costs.get("rows") or [] if r["threads"] == th and r["forward"] == f"verify({ov['B']})"), None)
+    spread = (f"\n\nEach depth timed its own verify({ov['B']}) alone again: {min(vs_):.1f}–{max(vs_):.1f} ms"
+              + (f" (the chart's verify({ov['B']}) bar: {bar:.1f} ms)" if bar else "")
+              + " — the spread of one timing on this machine, not the drafter's doing; each row compares its own two rounds."
+              ) if len(vs_) > 1 else ""
+    return (f"{head}: d3d-async's round against d3d-seq's (not against ar), on the machine named above.\n\n" + "\n".join(parts) + spread
             + "\n\nSo overlap pays only while hiding the draft saves more than sharing the cores costs the verify, and only while "
             "the packed pass, on its one core, still ends before the verify: it need not improve steadily with depth."
             + f"\n\nHow it was probed: B = {ov['B']}, H = {ov['H']}, every hypothesis a hit; untrained fp32 drafters of each "

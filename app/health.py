@@ -146,7 +146,7 @@ def line(snap: dict) -> str:
     """The footer's one line."""
     q = snap.get("queue_length")
     queue = f"{q} waiting (max {snap.get('queue_max')})" if q is not None else "not started"
-    return (f"Server health · up {_dur(snap['uptime_s'])} · {snap['races_served']} races served "
+    return (f"Server health · up {_dur(snap['uptime_s'])} · {snap['races_served']} live races served "
             f"({snap['races_stopped']} stopped) · queue: {queue} · memory {snap['rss_mib']:.0f} MiB · "
             f"{snap['threads']} threads · API: `/health`")
 

@@ -485,13 +485,21 @@ def pruning_drafters(bundle) -> list:
 
 
 def _economics_note(bundle, drafter, skip, per_layer) -> str:
-    """What removing these layers saves per draft on the machine of the shipped cost breakdown's per-layer figure), and
-    what that is of the draft; "" where no per-layer figure is shipped for this drafter."""
-    if not per_layer or not skip:
+    """What removing these layers saves per draft and does to d3d-seq's round on the machine of the shipped cost
+    breakdown (``explain.pruning_round``); "" where the breakdown has no figure for this drafter."""
+    costs = service.cost_breakdown(bundle)
+    if not skip or not costs:
         return ""
-    full = (service.draft_cost_row(bundle) or {}).get("wall_ms")
-    share = f", {len(skip) * per_layer / full:.0%} of the draft's {full:.0f} ms" if full else ""
-    return f" · saves about **{len(skip) * per_layer:.1f} ms per draft** ({per_layer:.1f} ms a layer on the machine of the shipped cost breakdown{share})"
+    layers = len(layer_choices(bundle, drafter))
+    if per_layer:  # the default drafter: its own draft row
+        draft = (service.draft_cost_row(bundle) or {}).get("wall_ms")
+        what = "a draft"
+    else:  # d3d-deep: the overlap probe's draft of the same depth (an untrained fp32 drafter of as many layers)
+        row = next((r for r in ((costs.get("overlap") or {}).get("rows") or []) if r.get("depth") == layers), None)
+        draft = row["draft_ms"] if row else None
+        per_layer = draft / layers if draft else None
+        what = f"the cost table's {layers}-layer probe draft"
+    return explain.pruning_round(costs, draft, per_layer, len(skip), what)
 
 
 def load_pruning(bundle, state, drafter="d3d"):
@@ -880,8 +888,8 @@ def build_demo() -> gr.Blocks:
                                     "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                                     "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
                                     "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
-                                    "(the same number as \"a round costs N ar steps\"). This T_step is usually larger than the "
-                                    "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine): it also holds "
+                                    "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
+                                    "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
                                     "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
                                     "In the table, *T_verify(B)*, *T_draft* and *T_packed* are the mean times of one verify of B tokens, one "
                                     "draft, and one packed pass (d3d-async's drafts for all H hypotheses in one forward, run during verify).")

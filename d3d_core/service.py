@@ -632,7 +632,8 @@ def bench_sources(bundle_name: str) -> str:
     where = "; ".join(f"{', '.join(names)} on **{c}**" for c, names in by_cpu.items())
     why = ""
     measured, fp32 = bench_result(bundle_name), benches.get("fast")
-    if measured and fp32 and fp32 is not measured and (a := run_prices(measured)) and (b := run_prices(fp32)):
+    same = fp32 is measured or (fp32 is not None and fp32 == measured)  # one run feeds both tabs: nothing differs
+    if measured and fp32 and not same and (a := run_prices(measured)) and (b := run_prices(fp32)):
         why = (" **Why one mode reads differently in two runs**, from what each run's machine charged for a round: the "
                f"Measured bench's run: {prices_text(a)}; the Engines tab's fp32 bench: {prices_text(b)}. Speculation pays "
                "where a forward over 8 tokens costs little more than one token's and the draft is cheap.")

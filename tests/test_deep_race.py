@@ -50,3 +50,13 @@ def test_the_deeper_drafter_section_quotes_the_shipped_deep_bench_beside_the_sam
 def test_a_pruned_draft_that_read_slower_is_not_called_a_saving():
     text = explain.deep_race_text([_bench("", 3.0, 1.0, 50.0), _bench("3", 2.9, 1.0, 55.0)])
     assert "a draft 50.0 → 55.0 ms (10% more, although layers were removed)" in text and "-10%" not in text
+
+
+def test_pruning_says_what_the_saved_ms_do_to_the_rounds_break_even_tau():
+    costs = {"rows": [{"forward": "step", "threads": 2, "wall_ms": 50.0}, {"forward": "verify(8)", "threads": 2, "wall_ms": 75.0},
+                      {"forward": "step", "threads": 1, "wall_ms": 90.0}]}
+    s = explain.pruning_round(costs, 25.0, 2.5, 2, "a draft")
+    # round 25 + 75 = 100 ms = 2.00 steps; without 2 layers 95 ms = 1.90 steps: break-even τ 5.0 % lower
+    assert "saves about **5.0 ms per draft** (20% of a draft's 25 ms, 2.5 ms a layer)" in s
+    assert "goes from 2.00 to 1.90 steps of 50 ms, its **break-even τ** falls 5.0%" in s
+    assert explain.pruning_round(costs, 25.0, 2.5, 0) == "" and explain.pruning_round(None, 25.0, 2.5, 1) == ""
