@@ -1086,6 +1086,7 @@ def build_demo() -> gr.Blocks:
         demo.load(raced_view, [bundle, p_drafter], [p_raced], api_name=False)
         p_layers.input(measure_pruned, [bundle, p_layers, pstate, p_drafter], [p_msg, p_curve, pstate], api_name="measure_pruned", **p_evt)
         bundle.change(load_pruning, [bundle, pstate, p_drafter], [p_layers, p_msg, p_curve, p_marg, pstate], api_name=False)
+        bundle.change(raced_view, [bundle, p_drafter], [p_raced], api_name=False)
         dl_btn.click(download_traces, [state], [dl_file], api_name="download_traces")
         export_btn.click(export_race, [state], [export_file], api_name="export_html").then(
             lambda: gr.update(visible=True), None, [export_file], api_name=False, queue=False)
