@@ -15,6 +15,8 @@ from typing import Optional
 import pandas as pd
 import plotly.graph_objects as go
 
+from d3d_core.measure.costs import forwards_at
+
 from .figures import GREY, LAYOUT, MODE_COLOURS, _empty
 
 ENGINE_NAMES = {"fast": "fp32", "int4": "int4"}
@@ -130,18 +132,16 @@ def engines_text(engines: Optional[dict], benches: dict, dataset: str = "gsm8k")
 def int4_costs_text(costs: Optional[dict]) -> str:
     """The int4 step-costs section's first paragraph, read from the shipped int4 cost table (``costs --engine int4``):
     what a step, a verify of 8 rows and a D3D draft cost on its machine, at its most threads. Pure."""
-    rows = (costs or {}).get("rows") or []
-    if not rows:
+    by = forwards_at(costs)
+    if not by:
         return ("**Where an int4 step's time goes**: no int4 cost table is shipped for this bundle "
                 "(`python -m d3d_core.measure.costs --engine int4`).")
-    th = max(r["threads"] for r in rows)
-    by = {r["forward"]: r for r in rows if r["threads"] == th}
     step, v8 = by.get("step"), by.get("verify(8)")
     draft = next((r for f, r in by.items() if f.startswith("d3d draft(")), None)
     text = ("**Where an int4 step's time goes** (`python -m d3d_core.measure.costs --engine int4`): the 4-bit GEMMs read a fifth "
             "of fp32's bytes; around them the glue (norms, casts, RoPE, KV writes: “everything else”) and attention run in fp32.")
     if step and v8:
-        text += (f" On the measured machine ({th} threads) a step took **{step['wall_ms']:.1f} ms** and a verify of 8 rows "
+        text += (f" On the measured machine ({step['threads']} threads) a step took **{step['wall_ms']:.1f} ms** and a verify of 8 rows "
                  f"**{v8['per_step']:.2f} steps**")
         text += (f", a D3D draft of 8 **{draft['per_step']:.2f}** (the drafter runs in fp32 with int8 MLPs, not on the 4-bit GEMM)."
                  if draft else ".")

@@ -2,6 +2,9 @@
 
 from typing import Optional
 
+from d3d_core.measure.costs import forwards_at
+from d3d_core.measure.latency import mean_span
+
 INTRO_GENERIC = """
 ### Autoregressive (AR) decoding
 The **target** (the large model whose output we must reproduce exactly) produces one token per
@@ -14,7 +17,7 @@ holds on *this* machine is measured in the **Benchmarks** tab (*Where the time g
 def intro(costs: Optional[dict]) -> str:
     """The AR section, quoting the measured verify(B) / step of the shipped cost breakdown's machine (its
     ``python -m d3d_core.measure.costs``) instead of the GPU rule of thumb."""
-    rows = [r for r in (costs or {}).get("rows", []) if r["threads"] == max(x["threads"] for x in costs["rows"])] if costs else []
+    rows = list(forwards_at(costs).values())
     ver = {r["B"]: r for r in rows if r["forward"].startswith("verify(") or r["forward"] == "step"}
     if 1 not in ver or 8 not in ver:
         return INTRO_GENERIC
@@ -317,7 +320,7 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
                   "overlap probe reads a 30-layer async round near d3d-seq's speed, but it packs one hypothesis that always "
                   "hits; the bench packs H = 4, a pass several drafts long, and misses often.)")
     row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
-    step = max((r for r in (costs or {}).get("rows") or [] if r.get("forward") == "step"), key=lambda r: r.get("threads") or 0, default=None)
+    step = forwards_at(costs).get("step")
     steps = f", {row['draft_ms'] / step['wall_ms']:.1f} one-token steps of {step['wall_ms']:.0f} ms" if row and step else ""
     cost = (f" (Benchmarks › *Where the time goes*, the overlap probe: a 30-layer draft takes {row['draft_ms']:.0f} ms{steps}, "
             f"a verify({costs['overlap'].get('B', 8)}) {row['verify_ms']:.0f} ms)") if row else ""
@@ -396,12 +399,7 @@ def _avg(result: dict, mode: str) -> Optional[dict]:
 
 def _span(result: dict, mode: str, span: str) -> Optional[float]:
     """The mean ms of one span kind (draft, verify, step) of ``mode`` over a bench run's rows, weighted by count."""
-    tot = n = 0.0
-    for r in result.get("rows") or []:
-        s = ((r.get("span_ms") or {}).get(span) or {}) if r.get("mode") == mode else {}
-        if s.get("n"):
-            tot, n = tot + s["mean"] * s["n"], n + s["n"]
-    return tot / n if n else None
+    return mean_span([r for r in result.get("rows") or [] if r.get("mode") == mode], span)
 
 
 def deep_race(benches: list) -> list:
@@ -463,13 +461,9 @@ def pruning_round(costs: Optional[dict], draft_ms: Optional[float], per_layer_ms
     threads): the draft shrinks by ``removed`` × ``per_layer_ms``, the round (draft + verify(8)) by the same ms, so
     break-even τ = round / step falls by that share — and pruning pays only while τ falls by less. Pure; "" without
     the figures."""
-    rows = (costs or {}).get("rows") or []
-    if not rows or not draft_ms or not per_layer_ms or removed <= 0:
-        return ""
-    th = max(r["threads"] for r in rows)
-    by = {r["forward"]: r["wall_ms"] for r in rows if r["threads"] == th}
-    step, v8 = by.get("step"), by.get("verify(8)")
-    if not step or not v8:
+    by = forwards_at(costs)
+    step, v8 = (by.get(f, {}).get("wall_ms") for f in ("step", "verify(8)"))
+    if not draft_ms or not per_layer_ms or removed <= 0 or not step or not v8:
         return ""
     saved = min(removed * per_layer_ms, draft_ms)
     before, after = (draft_ms + v8) / step, (draft_ms - saved + v8) / step

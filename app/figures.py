@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from d3d_core.decoding.plan import plan_label, plan_of
 from d3d_core.decoding.trace import Trace, hit_rate_of, idle_time, needed_verdicts, overlap_share
+from d3d_core.measure.costs import forwards_at
 from d3d_core.measure.economics import SHARED_CORES_SLOWER, race_economics, verify_vs_seq
 
 # Okabe-Ito: the work (what a lane does) and its verdicts
@@ -808,8 +809,7 @@ def overlap_text(costs: Optional[dict]) -> str:
     vs = (f" — the shipped 8-layer drafter, its MLPs in int8, drafts in {shipped['wall_ms']:.1f} ms on every thread in the cost "
           f"table, against this probe's {probe8['draft_ms']:.1f} ms at depth 8") if shipped and probe8 else ""
     vs_ = [r["verify_ms"] for r in ov["rows"]]
-    th = max((r["threads"] for r in costs.get("rows") or []), default=None)
-    bar = next((r["wall_ms"] for r in costs.get("rows") or [] if r["threads"] == th and r["forward"] == f"verify({ov['B']})"), None)
+    bar = forwards_at(costs).get(f"verify({ov['B']})", {}).get("wall_ms")
     spread = (f"\n\nEach depth timed its own verify({ov['B']}) alone again: {min(vs_):.1f}–{max(vs_):.1f} ms"
               + (f" (the chart's verify({ov['B']}) bar: {bar:.1f} ms)" if bar else "")
               + " — the spread of one timing on this machine, not the drafter's doing; each row compares its own two rounds."

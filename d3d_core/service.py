@@ -23,7 +23,7 @@ from .decoding.trace import MODES, MachineLoad, Trace, TraceError, traces_from_j
 from .decoding.warm import warm_rows, warm_shapes
 from .limits import APP_ENGINE_DEFAULT, APP_ENGINES, APP_LIMITS, LIVE_TAU_LAYERS
 from .measure.clock import retime_all
-from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, per_token_ms
+from .measure.latency import GPU_PROFILE_NOTES, PRESETS, async_profile, mean_span, per_token_ms
 from .measure.machine import LoadWatch, cpu_model
 from .models import bundles as _bundles
 from .models import int4
@@ -588,9 +588,8 @@ def run_prices(result: Optional[dict], mode: str = "d3d-seq", dataset: str = "gs
     rows = [r for r in result.get("rows") or [] if r.get("mode") == mode and r.get("dataset") == dataset
             and (not dec or plan_of(r, dec.get("verify")) == plan_of(dec))]  # the run's own plan, not a compared one
     for part in ("draft", "verify"):
-        spans = [sp for r in rows if (sp := (r.get("span_ms") or {}).get(part)) and sp.get("n")]
-        if spans:
-            out[f"{part}_ms"] = sum(sp["mean"] * sp["n"] for sp in spans) / sum(sp["n"] for sp in spans)
+        if (ms := mean_span(rows, part)) is not None:
+            out[f"{part}_ms"] = ms
     row = next((x for x in result.get("summary") or [] if x.get("mode") == mode and x.get("dataset") == dataset), None)
     if row and row.get("speedup"):
         out["speedup"] = row["speedup"]

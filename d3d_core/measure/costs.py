@@ -31,6 +31,15 @@ from .machine import QuietWatch, machine_info, step_reference
 from .rawfirst import Steps, raw_path
 
 
+def forwards_at(costs: Optional[dict], threads: Optional[int] = None) -> dict:
+    """{forward: row} of a cost breakdown's rows at ``threads`` (default: the most it measured); {} without rows."""
+    rows = (costs or {}).get("rows") or []
+    if not rows:
+        return {}
+    th = threads or max(r["threads"] for r in rows)
+    return {r["forward"]: r for r in rows if r["threads"] == th}
+
+
 def _prefilled(target, ctx_len: int, g: torch.Generator) -> tuple:
     """A random context of ``ctx_len`` tokens (no special ids), prefilled: (ctx, verifier) where
     ``verifier(B)`` returns a function that verifies a random block of B and rolls it back."""
