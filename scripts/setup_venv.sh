@@ -54,13 +54,15 @@ if [[ $LLAMA == 1 ]] && { [[ $REBUILD == 1 ]] || ! .venv/bin/python -c "import l
     .venv/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION" >&2
   .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_VERSION" >&2  # its small pure-Python dependencies
 fi
-if [[ $DEV == 1 && ! -x /usr/bin/chromium ]]; then
-  # browser tests drive Debian's chromium (never `playwright install`)
+if [[ $DEV == 1 && ( ! -x /usr/bin/chromium || ! -d /usr/share/fonts/truetype/noto ) ]]; then
+  # browser tests and screenshots drive Debian's chromium (never `playwright install`); the colour-emoji font draws the
+  # app's button icons (without it headless chromium shows empty boxes where a user's browser shows the icons)
   if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
-    echo "[setup] installing Debian chromium for the browser tests" >&2
-    (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
-      || echo "[setup] could not install chromium: browser tests will be skipped" >&2
+    echo "[setup] installing Debian chromium and an emoji font for the browser tests" >&2
+    pkgs="chromium fonts-noto-color-emoji"
+    (apt-get install -y -q $pkgs >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $pkgs >/dev/null 2>&1)) \
+      || echo "[setup] could not install chromium / the emoji font: browser tests may be skipped" >&2
   else
-    echo "[setup] /usr/bin/chromium missing and not root: browser tests will be skipped" >&2
+    echo "[setup] /usr/bin/chromium or the emoji font missing and not root: browser tests may be skipped or show empty icon boxes" >&2
   fi
 fi

@@ -217,7 +217,7 @@ static inline __m256 exp_neg(__m256 x) {
 
 /* 8 dot products q . k[j0 + s] (s = 0..7; key indices past last read the last key), hd / 8 vectors each, summed by
  * the same tree in every slot. */
-static inline __m256 dots8(const float *q, const float *k, long ks, int j0, int last, int hv) {
+static inline __attribute__((always_inline)) __m256 dots8(const float *q, const float *k, long ks, int j0, int last, int hv) {
     __m256 a[8];
     for (int s = 0; s < 8; s++) {
         const int j = j0 + s <= last ? j0 + s : last;
@@ -234,8 +234,9 @@ static inline __m256 dots8(const float *q, const float *k, long ks, int j0, int 
     return _mm256_add_ps(lo, hi);
 }
 
-static void attend_one(const float *q, const float *k, const float *v, long ks, int L, int hd, float scale, float *s, float *out) {
-    const int hv = hd / 8, nch = (L + 7) / 8;
+static inline __attribute__((always_inline)) void attend_body(const float *q, const float *k, const float *v, long ks, int L, const int hv,
+                                                               float scale, float *s, float *out) {
+    const int nch = (L + 7) / 8;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     const __m256 sc = _mm256_set1_ps(scale);
     for (int c = 0; c < nch; c++) {
@@ -271,6 +272,23 @@ static void attend_one(const float *q, const float *k, const float *v, long ks, 
         for (int u = 0; u < hv; u++) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * u), acc[u]);
     }
     for (int u = 0; u < hv; u++) _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(acc[u], inv));
+}
+
+/* One (row, head): the body compiled for a head dim of 64 (hv = 8: the value accumulators stay in registers; with hv
+ * known only at run time they lived on the stack) and for any other. The same instructions in the same order, so the
+ * same bits; measured on a 2-core AMD EPYC (AVX2), 2026-12-07, 30 layers at 300 keys: 1 row 1.65 -> 1.16 ms, 8 rows
+ * 6.53 -> 4.11 ms. */
+static void attend_hv8(const float *q, const float *k, const float *v, long ks, int L, float scale, float *s, float *out) {
+    attend_body(q, k, v, ks, L, 8, scale, s, out);
+}
+static void attend_any(const float *q, const float *k, const float *v, long ks, int L, int hv, float scale, float *s, float *out) {
+    attend_body(q, k, v, ks, L, hv, scale, s, out);
+}
+static void attend_one(const float *q, const float *k, const float *v, long ks, int L, int hd, float scale, float *s, float *out) {
+    if (hd == 64)
+        attend_hv8(q, k, v, ks, L, scale, s, out);
+    else
+        attend_any(q, k, v, ks, L, hd / 8, scale, s, out);
 }
 
 /* q: row i, head h at q + i * qs + h * hd; k, v: KV head g, key j at k + g * hs + j * hd (the StaticKV layout,
