@@ -13,7 +13,12 @@ m-row pass equals, bit for bit, the same row run alone (what a lossless verify n
   (zero point 128) and fp32 output, per-channel int8 weights;
 - ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32) on a (K, N) int8 weight;
 - ``lowbit``: this project's kernel (``d3d_core.models.lowbit``), 4-bit codes x per-block 8-bit activations, when it
-  builds here.
+  builds here;
+- ``lowbit@old``: with ``--ab FILE``, another ``lowbit.c`` (e.g. an earlier commit's: ``git show REV:d3d_core/models/lowbit.c
+  > /tmp/old.c``) built the same way, to compare a change before and after in one process.
+
+``--attention`` times the kernel's causal attention instead (30 layers, 300 keys, the bundle's 9 / 3 heads of 64; rows
+are query rows), for ``lowbit`` and ``lowbit@old``.
 """
 
 from __future__ import annotations
@@ -86,6 +91,44 @@ def make_lowbit(n, k, planes, g):
 
 
 CANDIDATES = {"int4pack": make_int4pack, "onednn_int8": make_onednn, "int_mm": make_int_mm, "lowbit": make_lowbit}
+_OLD: dict = {}  # "lib": the --ab build
+
+
+def build_other(src: str):
+    """``src`` (another lowbit.c) compiled with the kernel's flags into a temporary file and loaded like the kernel."""
+    import ctypes
+    import tempfile
+
+    from d3d_core.models import lowbit
+
+    out = Path(tempfile.mkdtemp()) / "lowbit-old.so"
+    r = subprocess.run([lowbit.compiler() or "cc", *lowbit.CFLAGS, src, "-o", str(out)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"error: --ab {src} did not compile: {r.stderr.strip()[:300]}")
+    lib = ctypes.CDLL(str(out))
+    p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.lowbit_gemm.argtypes = [p, i, i, p, i, i, p, i]
+    lib.lowbit_attention.argtypes = [p, L, i, i, i, i, p, p, L, i, i, ctypes.c_float, p, i]
+    return lib
+
+
+def make_lowbit_old(n, k, planes, g):
+    lin = make_lowbit(n, k, planes, g)
+    return lambda x: lin.run(_OLD["lib"], x)
+
+
+def attention_pass(lib_of):
+    """(pass over 30 layers of attention for m query rows, the inputs) with the kernel ``lib_of()`` returns."""
+    from d3d_core.models import lowbit
+
+    g = torch.Generator().manual_seed(1)
+    cap, T = 512, 300
+    caches = [(torch.randn(1, NKV, cap, HD, generator=g), torch.randn(1, NKV, cap, HD, generator=g)) for _ in range(LAYERS)]
+
+    def run(qk):
+        return [lowbit.attention_into(lib_of(), qk, NH, kc, vc, T) for kc, vc in caches]
+
+    return run, lambda m: torch.randn(m, NH + 2 * NKV, HD, generator=g)
 
 
 def available(names: list) -> list:
@@ -123,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--head", action="store_true", help="include the 49152 x 576 LM head (8-bit)")
     ap.add_argument("--only", default=",".join(CANDIDATES))
+    ap.add_argument("--ab", default=None, metavar="FILE", help="also time another lowbit.c (candidate lowbit@old)")
+    ap.add_argument("--attention", action="store_true", help="time the low-bit attention (lowbit, and lowbit@old with --ab)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (with --threads 1 only): robust to other work on a shared machine")
     a = ap.parse_args(argv)
@@ -131,7 +176,19 @@ def main(argv=None) -> int:
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
-    names = available(a.only.split(","))
+    if a.ab:
+        _OLD["lib"] = build_other(a.ab)
+        CANDIDATES["lowbit@old"] = make_lowbit_old
+    if a.attention:
+        from d3d_core.models import lowbit
+
+        if lowbit.library() is None:
+            raise SystemExit(f"error: the low-bit kernel does not run here ({lowbit.status().reason})")
+        runs = {"lowbit": attention_pass(lowbit.library)}
+        if a.ab:
+            runs["lowbit@old"] = attention_pass(lambda: _OLD["lib"])
+        return time_attention(runs, rows, a.reps, clock, a.threads)
+    names = available(a.only.split(",") + (["lowbit@old"] if a.ab else []))
     shapes = weight_list(a.head)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -145,13 +202,7 @@ def main(argv=None) -> int:
                     t = one_pass(fns[nm], xs[m], clock)
                     if rep:
                         times[(nm, m)].append(t)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f" {f}" in flags]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} ({' '.join(isa)}), {a.threads} threads, torch {torch.__version__}, "
-          f"commit {commit}, load average {os.getloadavg()[0]:.2f}, {LAYERS} layers{' + head' if a.head else ''}, median of {a.reps}, "
-          f"{'CPU' if a.clock == 'cpu' else 'wall'} ms")
+    print(header(a.threads, f"{LAYERS} layers{' + head' if a.head else ''}", a.reps, a.clock))
     print("| rows | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for m in rows:
@@ -163,6 +214,37 @@ def main(argv=None) -> int:
             cells.append(f"{med:.1f} ({med / base:.2f}×){same}")
         print(f"| {m} | " + " | ".join(cells) + " |")
     print("# (×: against the same candidate's first row count; ≠: some row differs from that row run alone)")
+    return 0
+
+
+def header(threads: int, what: str, reps: int, clock: str) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f" {f}" in flags]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    return (f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} ({' '.join(isa)}), {threads} threads, torch {torch.__version__}, "
+            f"commit {commit}, load average {os.getloadavg()[0]:.2f}, {what}, median of {reps}, {'CPU' if clock == 'cpu' else 'wall'} ms")
+
+
+def time_attention(runs: dict, rows: list, reps: int, clock, threads: int) -> int:
+    """Median ms of a 30-layer attention pass per kernel and row count (interleaved), and whether the kernels agree."""
+    with torch.inference_mode():
+        qs = {m: runs["lowbit"][1](m) for m in rows}
+        same = {m: all(torch.equal(x, y) for x, y in zip(runs["lowbit"][0](qs[m]), runs["lowbit@old"][0](qs[m]))) for m in rows} if len(runs) > 1 else {}
+        times = {(nm, m): [] for nm in runs for m in rows}
+        for rep in range(reps + 1):
+            for m in rows:
+                for nm, (run, _) in runs.items():
+                    t0 = clock()
+                    run(qs[m])
+                    if rep:
+                        times[(nm, m)].append((clock() - t0) * 1e3)
+    print(header(threads, f"attention, {LAYERS} layers, 300 keys", reps, "cpu" if clock is time.thread_time else "wall"))
+    print("| rows | " + " | ".join(runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for m in rows:
+        cells = [f"{statistics.median(times[(nm, m)]):.2f}" for nm in runs]
+        print(f"| {m} | " + " | ".join(cells) + (f" | {'same bits' if same[m] else 'bits differ'}" if same else "") + " |")
     return 0
 
 
