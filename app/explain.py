@@ -25,6 +25,8 @@ def intro(costs: Optional[dict]) -> str:
     d3d = next((r for r in rows if r["forward"].startswith("d3d draft")), None)
     ratios = ", ".join(f"verify({b}) = {ver[b]['per_step']:.2f}" for b in sorted(ver) if b in (2, 4, 6, 8, 16))
     cheap = ver[8]["per_step"] <= 1.25
+    engine = {"fast": "fp32"}.get(str(costs.get("engine")), costs.get("engine") or "fp32")
+    v8, draft = round(ver[8]["per_step"], 2), round(d3d["per_step"], 2) if d3d else 0.0  # the sum below adds what it prints
     verdict = ("**On the measured CPU it is nearly that cheap, up to a point.**" if cheap else
                "**On the measured CPU it is not that cheap.**")
     return f"""
@@ -34,11 +36,12 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 8 tokens costs hardly more than feeding it 1 — speculative decoding exploits exactly that.
 {verdict} Measured on {cpu} ({ver[1]['threads']} threads; the shipped cost breakdown's machine, not necessarily this server's): one step
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
-{d3d['per_step']:.2f} steps (the cost of one one-token step, not a share of a verify). So a drafting mode needs τ above about
-{(ver[8]['per_step'] + (d3d['per_step'] if d3d else 0)):.1f} at `B = 8` just to tie `ar` here if it verifies the whole
-block — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. The
-**Timeline** tab's *Economics of this run* shows the break-even τ for your own run, and the **Benchmarks**
-tab where each forward's time goes.
+{draft:.2f} steps (the cost of one one-token step, not a share of a verify). So with this table's costs ({engine} engine,
+**Benchmarks › Where the time goes**) a `d3d-seq` round of `B = 8` (a draft, then a verify of the whole block) costs
+{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps: it needs τ above about {v8 + draft:.1f} just
+to tie `ar` — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. A race's own
+break-even τ (under each Race column, and in the **Timeline** tab's *Economics of this run*) differs: it divides the
+round that race paid by the `ar` step of the same race — another prompt, engine or machine, and each mode's own draft.
 """
 
 VERIFY_PLAN = """
@@ -208,9 +211,13 @@ GLOSSARY = """
 | **speedup** | AR time per output token ÷ this mode's time per output token, same prompt, same machine |
 | **target fwd** | target forward passes: the prefill plus one verify per round |
 | **hypothesis `(a, t)`** | d3d-async's guess of the verify outcome, drafted ahead during verify |
+| **score P(a,t)** | the Rounds tab's hypotheses table: the drafter's own estimate that the verify accepts `a` drafts and its bonus is `t`; only the `H` likeliest are listed, so the scores need not add up to 1, and the hit can be a low-scored one |
 | **H** | how many hypotheses are drafted in the packed pass |
 | **hit rate** | share of d3d-async rounds where one hypothesis equalled the verify outcome, over the rounds whose next block was needed (every round but the last: its hypotheses get no verdict); a hit can come with `a = 0` (no draft accepted, but the bonus token was guessed), so a run with τ 1.00 can still have hits |
-| **overlap share** | share of the drafter's busy time that ran while the target was verifying |
+| **overlap share** | share of the drafter's busy time that ran while the target was verifying (the Benchmarks table's *overlap* is the same share, over the bench's runs) |
+| **lossless_rate** | Benchmarks table: share of the bench's answers identical to `ar`'s (1.0: every one) |
+| **skipped** | Benchmarks table: share of rounds the draft gate left without a draft (each an `ar` step) |
+| **machine bound** | the black diamond of Benchmarks › *Where the time goes*: the time a forward would take reading its bytes at the machine's measured copy speed (or doing its FLOPs at the measured GEMM rate, whichever is longer) — a yardstick, not a floor |
 | **idle time** | time a lane (target or drafter) had nothing to do during the run |
 | **offline τ** | τ measured by teacher forcing at many anchors, no decoding loop |
 | **lossless** | at temperature 0 every mode emits exactly the AR target's tokens |
@@ -286,7 +293,7 @@ prompts**, **how they are counted** and **which rounds count**:
 | **this race's τ** | Race columns, Acceptance, Timeline | one decode of *your* prompt | one prompt: the default math prompt is an easy one |
 | **quoted τ** | this page's text (e.g. *A deeper drafter*'s τ) | a shipped bench run, read from its file | re-measured only when that bench is re-run |
 | **T_draft, d3d-seq vs d3d-async** | Race columns, Timeline | mean draft span on the critical path | d3d-seq's draft also writes the tokens the last round committed into the drafter's cache (up to `B` more rows); in d3d-async the packed pass already wrote them, so its sync draft after a miss is a little shorter |
-| **d3d-seq's τ vs d3d-async's** | Race columns | the same drafter, the same prompt | the drafter's int8 layers scale each batch of rows as a whole, and d3d-async drafts in other batches (a packed pass holds several guesses; a miss drafts again), so where the drafter is unsure the two modes guess differently at the same position; once one round accepts a different number of drafts the blocks start at different places and the two τ drift apart — either may be higher. With an fp32 drafter (`D3D_DRAFTER_INT8=off`) both modes draft the same block at every shared position and their τ agree |
+| **d3d-seq's τ vs d3d-async's** | Race columns | the same drafter, the same prompt | on either engine the drafter runs its MLPs and head in int8 (the Engine choice is the target's), and int8 scales each batch of rows as a whole; d3d-async drafts in other batches (a packed pass holds several guesses; a miss drafts again), so where the drafter is unsure the two modes guess differently at the same position; once one round accepts a different number of drafts the blocks start at different places and the two τ drift apart — either may be higher. A server started with `D3D_DRAFTER_INT8=off` (a setting of the server, not of this page) drafts in fp32, and there both modes draft the same block at every shared position and their τ agree |
 
 The same for time: **T_step** in the race is what `ar` paid per token *in that race* — its forward plus its own
 bookkeeping, at that prompt's context length, under whatever else the machine was doing; the **Benchmarks**

@@ -20,6 +20,8 @@ from d3d_core.decoding.trace import Trace, hit_rate_of, idle_time, needed_verdic
 from d3d_core.measure.costs import forwards_at
 from d3d_core.measure.economics import SHARED_CORES_SLOWER, race_economics, verify_vs_seq
 
+from .tokens import whole_ms
+
 # Okabe-Ito: the work (what a lane does) and its verdicts
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#999999",
@@ -286,21 +288,46 @@ def economics_figure(traces: list, projected: Optional[str] = None) -> go.Figure
 
 
 def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFrame:
-    """The numbers behind economics_figure, one row per mode (ms; steps = the same race's ar step);
-    the clock column says whether the times were measured or projected under a profile."""
-    cols = ["clock", "mode", "τ", "T_step (ar ms/token)", "ar forward", "T_verify(B)", "T_draft", "T_packed", "hit rate",
-            "round", "= verify", "+ draft not hidden", "+ other", "ms/token", "speedup", "speedup 10–90 %",
-            "break-even τ = round / T_step", "flags"]
-    rows = []
-    for e in race_economics(traces):
-        spread = (f"{e.speedup_lo:.2f}–{e.speedup_hi:.2f}" if e.speedup_lo is not None else "") if not e.too_short else e.speedup_label()
-        v, d, o = e.round_parts_ms()
-        rows.append(["projected" if projected else "measured", e.mode, e.tau, e.t_step_ms, e.ar_forward_ms, e.t_verify_ms, e.t_draft_ms,
-                     e.t_packed_ms, e.hit_rate, e.round_ms, v, d, o, e.per_token_ms, None if e.too_short else e.speedup, spread,
-                     e.break_even_tau, short_flags(e.flags)])
-    df = pd.DataFrame(rows, columns=cols).round(2)
-    # the flags column only when a ratio was flagged (an always-empty column reads as something unexplained)
-    return df if (df["flags"].fillna("") != "").any() else df.drop(columns="flags")
+    """The numbers behind economics_figure: one row per quantity, one column per mode (a column per quantity broke
+    the headers mid-word on a narrow page). Cells are written as the Race tab writes them: ms to
+    0.1 (the round's three parts rounded so that they still add up to it), τ and break-even τ to 0.01, the hit rate
+    as a percentage, the speedup as "1.10×". The clock row says whether the times were measured or projected."""
+    ec = race_economics(traces)
+    if not ec:
+        return pd.DataFrame(columns=["quantity"])
+
+    def ms(x):
+        return "–" if x is None else f"{x:.1f}"
+
+    def parts(e):  # round = verify + draft not hidden + other, in tenths of a ms that add up as printed
+        t, p = whole_ms(e.round_ms * 10, [x * 10 for x in e.round_parts_ms()])
+        return [f"{x / 10:.1f}" for x in (t, *p)]
+
+    def spread(e):
+        return e.speedup_label() if e.too_short else (f"{e.speedup_lo:.2f}–{e.speedup_hi:.2f}" if e.speedup_lo is not None else "–")
+
+    split = {e.mode: parts(e) for e in ec}
+    rows = [
+        ("clock", lambda e: "projected" if projected else "measured"),
+        ("τ: tokens per round", lambda e: f"{e.tau:.2f}"),
+        ("T_step: what ar paid per token (ms)", lambda e: ms(e.t_step_ms)),
+        ("ar forward: one ar step's forward (ms)", lambda e: ms(e.ar_forward_ms)),
+        ("T_verify(B): one verify of B tokens (ms)", lambda e: ms(e.t_verify_ms)),
+        ("T_draft: one draft (ms)", lambda e: ms(e.t_draft_ms)),
+        ("T_packed: one packed pass (ms)", lambda e: ms(e.t_packed_ms)),
+        ("hit rate", lambda e: "–" if e.hit_rate is None else f"{e.hit_rate:.0%}"),
+        ("round (ms)", lambda e: split[e.mode][0]),
+        ("= verify", lambda e: split[e.mode][1]),
+        ("+ draft not hidden", lambda e: split[e.mode][2]),
+        ("+ other", lambda e: split[e.mode][3]),
+        ("time per token (ms)", lambda e: ms(e.per_token_ms)),
+        ("speedup vs ar", lambda e: "–" if e.too_short or e.speedup is None else f"{e.speedup:.2f}×"),
+        ("speedup 10–90 %", spread),
+        ("break-even τ = round / T_step", lambda e: "–" if e.break_even_tau is None else f"{e.break_even_tau:.2f}"),
+    ]
+    if any(e.flags for e in ec):  # the flags row only when a ratio was flagged (an always-empty row reads as something unexplained)
+        rows.append(("flags", lambda e: short_flags(e.flags)))
+    return pd.DataFrame([[label] + [cell(e) for e in ec] for label, cell in rows], columns=["quantity"] + [e.mode for e in ec])
 
 
 def short_flags(flags) -> str:
@@ -332,7 +359,8 @@ def acceptance_figure(traces: list) -> go.Figure:
         fig.add_vline(x=tr.stats.tau, line=dict(color=MODE_COLOURS.get(tr.mode, GREY), dash="dash", width=2))
     fig.update_layout(
         title="This race: tokens committed per round, a + 1 (1 … B); dashed line = τ", barmode="group",
-        xaxis=dict(title="tokens committed in the round: accepted drafts a + the bonus (undrafted rounds: 1)", dtick=1),
+        xaxis=dict(title="tokens committed in the round: accepted drafts a + the bonus (a round without a draft counts as a + 1 = 1)",
+                   dtick=1),
         yaxis=dict(title="share of rounds", tickformat=".0%"),
         legend=dict(orientation="h", y=-0.25), height=380, **LAYOUT,
     )
@@ -423,6 +451,19 @@ def bench_acceptance_figure(result: Optional[dict], dataset: str = "all") -> go.
 
 # ----------------------------------------------------------------------------- rounds grid
 
+# how a token is written in the Rounds grid, its hypotheses table and hover texts (the lesson's sentences write ⏎ and ∅
+# the same way; they drop the space a word-token starts with), and the legend under them
+GLYPH_LEGEND = ("In the grid and the hypotheses table, tokens are written as the tokenizer cut them: **␣** = a space (a token "
+                "that starts a word begins with one, “␣cost”; the sentences leave it out), **⏎** = a newline, **∅** = a token "
+                "with no text of its own.")
+
+
+def glyph(piece) -> str:
+    """A token's text made visible: spaces as ␣, newlines as ⏎, a token without text as ∅ (never a blank cell)."""
+    s = str(piece)
+    return "∅" if s == "" else s.replace("\n", "⏎").replace(" ", "␣")
+
+
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
 STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)", "bonus", "held back (not verified)", "no draft (draft gate)"]
 STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": a draft past the first mismatch (near-white: checked, but it cannot count)
@@ -439,15 +480,17 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     cols = ["anchor"] + [f"d{j}" for j in range(1, B)] + ["bonus"]
     z, text, hover = [], [], []
 
-    def show(t):
-        s = pieces.get(t, str(t))
-        s = s.replace("\n", "⏎").replace(" ", "␣")
-        return s if len(s) <= 8 else s[:7] + "…"
+    def show(t):  # whole up to 12 characters (every word-token of the bundled tokenizer); the hover has the rest
+        s = glyph(pieces.get(t, str(t)))
+        return s if len(s) <= 12 else s[:11] + "…"
+
+    def said(t):
+        return f"“{glyph(pieces.get(t, t))}”"
 
     for r in rounds:
         zr = [STATE_ANCHOR]
         tr_ = [show(r.anchor_id)]
-        hr = [f"round {r.index} · anchor at position {r.anchor_pos}: {pieces.get(r.anchor_id, r.anchor_id)!r}"]
+        hr = [f"round {r.index} · anchor at position {r.anchor_pos} (tokens before it: prompt + output): {said(r.anchor_id)}"]
         for j in range(1, B):
             if r.skipped and j == 1:
                 zr.append(STATE_SKIPPED)
@@ -473,14 +516,14 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 zr.append(st)
                 tr_.append(show(d))
                 hr.append(
-                    f"round {r.index} · d{j} = {pieces.get(d, d)!r} ({STATE_NAMES[st]})<br>drafter q(d) = {q:.3f}"
-                    + (f"<br>target's token: {pieces.get(y, y)!r}" if y is not None else "")
+                    f"round {r.index} · d{j} = {said(d)} ({STATE_NAMES[st]})<br>drafter q(d) = {q:.3f}"
+                    + (f"<br>target's token: {said(y)}" if y is not None else "")
                 )
             elif j - 1 - len(r.draft_ids) < len(r.held_back):
                 d = r.held_back[j - 1 - len(r.draft_ids)]
                 zr.append(STATE_HELD)
                 tr_.append(show(d))
-                hr.append(f"round {r.index} · d{j} = {pieces.get(d, d)!r} (held back)<br>drafted but not verified: the verify plan "
+                hr.append(f"round {r.index} · d{j} = {said(d)} (held back)<br>drafted but not verified: the verify plan "
                           f"expected a verify of {len(r.draft_ids) + 1} tokens to earn more per unit of cost than a wider one")
             else:
                 zr.append(None)
@@ -488,7 +531,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 hr.append("")
         zr.append(STATE_BONUS)
         tr_.append(show(r.bonus))
-        hr.append(f"round {r.index} · bonus {pieces.get(r.bonus, r.bonus)!r} (target's token after {r.accepted} accepted)")
+        hr.append(f"round {r.index} · bonus {said(r.bonus)} (target's token after {r.accepted} accepted)")
         z.append(zr)
         text.append(tr_)
         hover.append(hr)
@@ -520,8 +563,13 @@ def _verdict_mark(trace: Trace, r) -> str:
     return "" if r.hit is None else (" ✓" if r.hit else " ✗")
 
 
+HYPOTHESES_NOTE = ("**score P(a,t)**: the drafter's own estimate that the verify accepts `a` drafts and its bonus is `t`. "
+                   "Only the H likeliest outcomes are drafted and listed, so the scores need not add up to 1, and the hit "
+                   "can be a low-scored one: the drafter is often unsure.")
+
+
 def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.DataFrame:
-    """The hypotheses drafted during round `index` (d3d-async), best first."""
+    """The hypotheses drafted during round `index` (d3d-async), best first; tokens written with ``glyph``."""
     cols = ["a (accepted)", "t (bonus)", "score P(a,t)", "drafted successor block", "hit"]
     if trace is None or trace.mode != "d3d-async" or not 0 <= index < len(trace.rounds):
         return pd.DataFrame(columns=cols)
@@ -529,8 +577,8 @@ def hypotheses_table(trace: Optional[Trace], index: int, pieces: dict) -> pd.Dat
     last = index == len(trace.rounds) - 1
     verdict = lambda h: ("not needed (the decode ended)" if last or r.hit is None else "✓ hit" if h.hit else "✗ miss")  # noqa: E731
     rows = [{
-        cols[0]: h.accepted, cols[1]: pieces.get(h.token, str(h.token)), cols[2]: round(h.score, 4),
-        cols[3]: " | ".join(repr(pieces.get(t, "?"))[1:-1] for t in h.draft_ids), cols[4]: verdict(h),
+        cols[0]: h.accepted, cols[1]: glyph(pieces.get(h.token, str(h.token))), cols[2]: round(h.score, 4),
+        cols[3]: " | ".join(glyph(pieces.get(t, "?")) for t in h.draft_ids), cols[4]: verdict(h),
     } for h in r.hypotheses]
     return pd.DataFrame(rows, columns=cols)
 
@@ -708,18 +756,26 @@ def diagram_d3d_async(costs: Optional[dict] = None) -> go.Figure:
     return fig
 
 
-def diagram_pruning() -> go.Figure:
+def diagram_pruning(curve: Optional[dict] = None) -> go.Figure:
+    """The 8-layer D3D drafter with layers skipped. With the shipped pruning curve (``service.pruning_curve``) the
+    skipped layers are the two its greedy order removes first, named as such; without one the picture is generic and
+    says so."""
+    order = [int(i) for i in (curve or {}).get("order") or []]
+    n = int((curve or {}).get("layers") or 8)
+    first = order[:2] if len(order) >= 2 and all(0 <= i < n for i in order[:2]) else []
+    skip = first or [2, 5]
     fig = go.Figure()
-    n = 8
     for i in range(n):
-        skipped = i in (2, 5)
+        skipped = i in skip
         fig.add_shape(type="rect", x0=i, x1=i + 0.85, y0=0, y1=1, fillcolor="#EEEEEE" if skipped else CYAN,
                       line=dict(color=GREY, dash="dot" if skipped else "solid"))
         fig.add_annotation(x=i + 0.42, y=0.5, text=(f"L{i}<br>skipped" if skipped else f"L{i}"), showarrow=False,
                            font=dict(color=GREY if skipped else "black"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
-    fig.update_layout(title="Pruning drafter layers (an illustration: which layers go is what the Pruning tab measures)", height=230, xaxis=dict(visible=False, range=[-0.2, n]),
+    title = (f"Pruning drafter layers: the shipped pruning curve removes L{first[0]} first, then L{first[1]} (both skipped here)"
+             if first else "Pruning drafter layers (a generic picture: which layers go is what the Pruning tab measures)")
+    fig.update_layout(title=title, height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)
     return fig
 
@@ -873,10 +929,13 @@ def latency_check_table(result: Optional[dict]) -> pd.DataFrame:
         rows.append({"dataset": k[0], "mode": k[1], "measured_speedup": (a or b).get("measured_speedup"),
                      "predicted (cost probe)": a.get("predicted_speedup"), "error (probe)": a.get("error"),
                      "predicted (run's own costs)": b.get("predicted_speedup"), "error (run)": b.get("error")})
-    df = pd.DataFrame(rows, columns=cols).round(3)
+    df = pd.DataFrame(rows, columns=cols)
     if rows:  # a bench without --cost-probe has no a-priori prediction: leave those columns out rather than empty
-        df = df[[c for c in cols if c in ("dataset", "mode") or df[c].notna().any()]]
-    return df
+        df = df[[c for c in cols if c in ("dataset", "mode") or df[c].notna().any()]].copy()
+    for c in ("error (probe)", "error (run)"):  # (predicted − measured) / measured, as a signed percentage
+        if c in df.columns:
+            df[c] = [None if pd.isna(x) else f"{x:+.1%}" for x in df[c]]
+    return df.round(3)
 
 
 def projection_figure(rows: list, profile_name: str, tau_scale: float, hit_rate: float, B: int, H: int) -> go.Figure:

@@ -10,10 +10,18 @@ from __future__ import annotations
 from d3d_core.decoding.trace import Round
 
 
-def _show(pieces: dict, ids: list, limit: int = 8) -> str:
+def _word(piece: str) -> str:
+    """One token in a sentence: its text without the space a word-token starts with (" calculate" reads "calculate");
+    a token of spaces only as ␣, one without any text as ∅ (the Rounds tab's legend names both)."""
+    if piece == "":
+        return "∅"
+    return piece.strip(" ") or "␣"
+
+
+def _show(pieces: dict, ids: list, limit: int = 16) -> str:
     """Tokens as the reader sees them: one token plain, several separated by " · " so that a token without a
     leading space (" calculate", "smart") does not read as one word; newlines as ⏎."""
-    text = " · ".join(str(pieces.get(t, t)).strip(" ") or "␣" for t in ids[:limit]).replace("\n", "⏎\u2009").replace("\u2009 ", " ").rstrip("\u2009")
+    text = " · ".join(_word(str(pieces.get(t, t))) for t in ids[:limit]).replace("\n", "⏎\u2009").replace("\u2009 ", " ").rstrip("\u2009")
     return f"“{text}{' …' if len(ids) > limit else ''}”"
 
 

@@ -37,6 +37,7 @@ CSS = """
 .tok.pend {color: #666; font-style: italic; border-bottom: 1px dashed #999;}
 .tok.ar {background: none;}
 .d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
+.d3d-counters {margin-top: 4px; color: #333;}
 .d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
 .d3d-badge {font-family: system-ui, sans-serif; font-size: 13px; font-weight: 600; margin-top: 6px; cursor: help;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
@@ -66,6 +67,12 @@ def legend_html() -> str:
         '<span><span class="tok first">first</span> first token (from prefill)</span>'
         '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
         "</div>"
+        '<div class="d3d-legend d3d-counters"><span><b>τ</b>: tokens per round (accepted drafts + the bonus)</span>'
+        f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async only): d3d-async drafts the next '
+        "block during the verify, one for each of a few guesses (a, t) of how the verify ends — “a drafts accepted, "
+        "bonus token t” — all in one forward (the packed pass); a hit: one guess was right, so the next block was "
+        "ready. “–”: the other modes do not guess ahead</span>"
+        '<span>hover any counter or term for its meaning</span></div>'
     )
 
 
@@ -261,16 +268,17 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
 
 
 def _tau_note(trace: Trace) -> str:
-    """Where τ × rounds is not the tokens decoded, why: τ counts each round's a + 1 whole, and the answer's end (or the
-    token limit) cut the last round short. "" where they agree."""
+    """Every drafting mode's "N rounds × τ = M tokens" (τ counts each round's a + 1 whole), and where that is not the
+    tokens decoded, why: the answer's end (or the token limit) cut the last round short. "" for ar and without rounds."""
     rounds = trace.rounds
     if trace.mode == "ar" or not rounds:
         return ""
     whole, decoded = sum(r.accepted + 1 for r in rounds), sum(len(r.committed) for r in rounds)
+    n = f"{len(rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens"
     if whole == decoded:
-        return ""
+        return f'; <span class="term" title="τ is the mean of a + 1 over the rounds: rounds × τ = the tokens the rounds committed">{n}</span>'
     return (f'; <span class="term" title="τ is the mean of a + 1 over the rounds; the last round printed only what came before '
-            f'the stop">{len(rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens, {decoded}&nbsp;printed: the stop cut the last round</span>')
+            f'the stop">{n}, {decoded}&nbsp;printed: the stop cut the last round</span>')
 
 
 # why a run ended, in words beside its code (the Trace's finish_reason)
@@ -284,13 +292,17 @@ TIPS = {
     "τ": "acceptance length: tokens committed per round (accepted drafts + the bonus token), averaged over rounds",
     "rounds": "rounds so far: one draft (or none, when the draft gate skips it) + one target verify",
     "target fwd": "target forward passes: the prefill plus one verify per round",
-    "hit rate": "d3d-async: share of rounds whose next block was already drafted during verify (a hypothesis (a, t) "
-                "matched the verify's outcome); the other rounds paid a synchronous draft",
+    "hit rate": "d3d-async: share of rounds whose next block was already drafted during the verify: one of its guesses "
+                "(a, t) — a drafts accepted, bonus token t — was the verify's actual outcome; the other rounds (misses) drafted "
+                "after the verify, while the target waited. –: ar, dflash and d3d-seq do not guess ahead, so they have no hits "
+                "(and d3d-async reads – until a round has its verdict)",
     "speedup": "ar's time per token ÷ this mode's, in this race; in brackets the 10–90 % spread over resampled rounds",
-    "per token": "this mode's measured time per output token = decode time ÷ tokens committed (about one round ÷ τ: the last round commits fewer than a + 1 when the answer ends inside it)",
+    "per token": "this mode's measured time per output token = decode time ÷ tokens committed (about one round ÷ τ: a round "
+                 "commits a + 1 tokens, a accepted drafts + the bonus, but the last one commits fewer when the answer ends inside it)",
     "round": "decode time ÷ rounds",
     "verify": "the target's verify forwards (verify(k): one forward over k tokens, the anchor + k − 1 drafts)",
-    "draft not hidden": "drafting the target had to wait for (d3d-async hides the drafts that run during verify)",
+    "draft not hidden": "drafting the target had to wait for (d3d-async hides a hit's draft, which ran during the verify; after a "
+                        "miss it drafts after the verify, in the open)",
     "other": "time neither lane was busy: bookkeeping between forwards",
     "T_verify": "mean time of one verify",
     "T_draft": "mean time of one draft",
@@ -298,6 +310,11 @@ TIPS = {
     "T_step": "what ar paid per token in this race",
     "break-even τ": "round ÷ T_step: the τ at which this mode, with these round costs, would tie ar here",
 }
+
+
+ASYNC_HIDDEN_TIP = ("a hit's next block was drafted in the packed pass beside the verify, hidden; a miss drafts it after "
+                    "the verify while the target waits (draft not hidden). Where the two lanes share the CPU cores, the packed "
+                    "pass also slows the verify it runs beside, which shows in its verify time")
 
 
 def _tip(term: str) -> str:
@@ -341,6 +358,10 @@ def _econ_html(e) -> str:
         if e.t_packed_ms is not None:
             c += f" · {_term('T_packed')} {e.t_packed_ms:.1f}"
         lines.append(c)
+        if e.mode == "d3d-async" and e.hit_rate is not None:  # why an overlapping mode still shows drafting in the open
+            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts are hidden only on hits '
+                         f"({e.hit_rate:.0%} here): after a miss the next block is drafted after the verify, in the open (and on shared "
+                         "cores the packed pass slows the verify it runs beside)</span>")
         if e.flags:
             lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))
         elif e.break_even_tau is not None:

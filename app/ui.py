@@ -46,7 +46,7 @@ from .tokens import agreement, ar_time_per_token, column_html, drafter_confound,
 # arithmetic is where they shine; the chat prompt stays, labelled as the hard case.
 EXAMPLES = [
     ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? "
-     "Please reason step by step.", "🎓 lesson · τ ≈ 2.8"),
+     "Please reason step by step.", "🎓 lesson · τ ≈ 2.8 over its first 96 tokens"),
     ("Tom has 5 boxes with 12 pencils in each box. He gives away 17 pencils. How many pencils does he have left? "
      "Please reason step by step.", "math · τ ≈ 2.6"),
     ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
@@ -56,7 +56,8 @@ EXAMPLES = [
 ]
 ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
                "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
-               "is lossless against ar on the same engine; the status says which int4 kernel ran.")
+               "is lossless against ar on the same engine; the status line above the tabs names the int4 kernel that ran "
+               "(“int4 GEMM: …”).")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -185,11 +186,24 @@ SOURCE_WORDS = {
 }
 
 
-def _source_words(r) -> str:
-    """Where round ``r``'s block came from, in words (round 0's comes after the prefill, not a verify)."""
+def _source_words(r, mode: str = "") -> str:
+    """Where round ``r``'s block came from, in words. Round 0's comes after the prefill, not a verify: in d3d-async
+    nothing could be drafted ahead, since no verify had started yet to draft beside."""
     if r.index == 0 and r.draft_source == "draft":
-        return "drafted after the prefill (the drafter and the target took turns)"
+        if mode == "d3d-async":
+            return ("drafted after the prefill: in round 0 nothing could be drafted ahead, because no verify had started yet "
+                    "(from round 1 on, blocks are drafted during the previous verify)")
+        return "drafted after the prefill, then verified (the drafter and the target take turns, as in every round of this mode)"
     return SOURCE_WORDS.get(r.draft_source, r.draft_source)
+
+
+def _position_words(tr, r) -> str:
+    """What round ``r``'s anchor position counts: the tokens before it, the prompt's and the output's so far."""
+    prompt = len(tr.prompt_ids or [])
+    if not prompt or r.anchor_pos < prompt:
+        return f"position {r.anchor_pos} (the tokens before it: the prompt's and the output's so far)"
+    return (f"position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + {r.anchor_pos - prompt} of the "
+            "output so far)")
 
 
 def _rounds_view(state, mode, idx):
@@ -206,9 +220,9 @@ def _rounds_view(state, mode, idx):
     if r.skipped:
         return fig, figures.hypotheses_table(tr, idx, state["pieces"]), (
             f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
-    cap = (f"**Round {idx}** of {n}: anchor at position {r.anchor_pos}, {len(r.draft_ids)} drafts verified{held}, "
+    cap = (f"**Round {idx}** of {n}: anchor at {_position_words(tr, r)}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
-           + (f" · {_source_words(r)}" if r.draft_source else ""))
+           + (f" · {_source_words(r, mode)}" if r.draft_source else ""))
     if idx == n - 1 and r.hypotheses:
         cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
                 "and do not count in the hit rate")
@@ -518,14 +532,16 @@ def load_pruning(bundle, state, drafter="d3d"):
     state["skips"] = skips
     per_layer = service.drafter_layer_ms(bundle, drafter)
     hint = (f"`{drafter}` has {len(choices)} layers (L0–L{len(choices) - 1}). Untick one and its offline τ is measured "
-            "at once, live, on the calibration anchors: the figure appears here and as a point on the curve.")
+            "at once, live, on the calibration anchors (positions in the calibration prompts where a block is drafted and "
+            "scored against the target's own next tokens): the figure appears here and as a point on the curve.")
     if per_layer:
         hint += (f" Each removed layer saves about {per_layer:.1f} ms per draft on the machine of the shipped cost breakdown (Benchmarks › Where the time goes; the orange "
                  "dashed line, right axis).")
     if curve is None:
         hint += f" No pruning curve is shipped for `{drafter}` yet (`python -m d3d_core.training.prune --drafter {drafter}`)."
     elif not any("healed" in p for p in curve.get("curve") or []):
-        hint += " This curve was made without healing (`prune --heal`), so it has no healed points."
+        hint += (" This curve was made without healing (a short re-training of the layers kept, after pruning), so it has no "
+                 "healed points.")
     if default_skip:
         hint += (f" This drafter is shipped pruned: layer(s) {default_skip} are skipped "
                  "(the greedy pruning kept ≥ 99 % of τ on held-out prompts without them).")
@@ -746,6 +762,28 @@ def open_recorded(bundle, state):
 # ----------------------------------------------------------------------------- layout
 
 
+CLOCK_TAGS = {  # what a tag in a clock's name means, said only where an offered clock carries it
+    "(derived)": "(derived): costs computed from a GPU's datasheet (memory bandwidth, FLOP/s) and the model's size, not "
+                 "measured on that GPU",
+    "(measured": "(measured, …): costs timed on that GPU by scripts/gpu_check.py",
+    "(scaled)": "(scaled): a profile whose costs the what-if sliders of Benchmarks › Projections multiplied",
+}
+
+
+def hit_slider_label(hit: float, where: str) -> str:
+    """The Projections hit-rate slider's label: its starting value (``service.measured_point``) and where it was
+    measured (``service.measured_point_source``)."""
+    return f"hit rate (d3d-async); starts at {hit:.2f}: {where}"
+
+
+def clock_info(names) -> str:
+    """The Timeline clock's help text: what a projected clock keeps, and what each tag in the offered clocks' names
+    means — only the tags some offered clock carries."""
+    tags = [w for t, w in CLOCK_TAGS.items() if any(t in str(n) for n in names)]
+    return ("A projected clock keeps this run's rounds (its τ, accepts and hits) and changes only what each forward costs."
+            + (" " + "; ".join(tags) + "." if tags else ""))
+
+
 def decode_concurrency() -> int:
     """Decodes at once (races and Pruning measurements share the ``decode`` lane): one where they share this machine's
     cores or its one GPU; on ZeroGPU each runs in its own GPU worker on its own lent GPU, so several
@@ -759,7 +797,7 @@ def zerogpu_note() -> str:
     wait_min = -(-APP_QUEUE_MAX // n) * cap / 60
     return (f"On this ZeroGPU Space each race borrows a GPU for at most {cap} s (a visitor without an account has "
             f"{quota_seconds()} s of ZeroGPU a day; a longer request would be refused), so tokens × modes are capped and the "
-            f"status says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
+            f"status line above the tabs says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
             f"reach about {wait_min:.0f} min. Stop ends the GPU work at its next round.")
 
 
@@ -800,8 +838,9 @@ def build_demo() -> gr.Blocks:
                         d3d_names = service.d3d_drafters(home)
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
-                                            info="d3d-deep: all the target's layers + rank-64 adapters (small trained low-rank weights that act "
-                                                 "only on the MASK slots, the block positions still to be guessed). Higher τ, but each draft reads every "
+                                            info="d3d-deep: all the target's layers + rank-64 adapters (small trained weights added to "
+                                                 "those frozen layers; 64 is their width) that act only on the MASK slots (the block "
+                                                 "positions still to be guessed). Higher τ, but each draft reads every "
                                                  "layer, as a verify does, and costs about as much: race both and compare.")
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
@@ -809,12 +848,16 @@ def build_demo() -> gr.Blocks:
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples · τ: tokens per round (accepted drafts + bonus), d3d-seq, 96 tokens")
+                                    label="Examples · τ: d3d-seq's tokens per round (accepted drafts + bonus) over the first 96 "
+                                          f"new tokens — a longer race (the lesson's runs to {lesson.PRESETS['lesson']['max_new_tokens']}) "
+                                          "reads another τ")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
-                                         info="guesses (a, t) of the verify's outcome, drafted in one packed pass")
+                                         info="d3d-async's guesses of how a verify ends — (a, t): “a drafts accepted, bonus "
+                                              "token t” — each with its next block drafted during that verify, all in one "
+                                              "forward (the packed pass)")
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter pruned as in the Pruning tab",
                                                  info="on: only the layers ticked there; off: the drafter as shipped")
@@ -823,7 +866,8 @@ def build_demo() -> gr.Blocks:
                     with gr.Row():
                         verify = gr.Radio(["adaptive", "full"], value=lesson.PRESETS["lesson"]["verify"], label="Verify plan",
                                           info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
-                                               "full: all B − 1 drafts. verify(k) in the status = one target forward over k tokens.")
+                                               "full: all B − 1 drafts. verify(k) (in the status line above the tabs, "
+                                               "its folded *What each round cost* part) = one target forward over k tokens.")
                         drafting = gr.Radio(["gated", "always"], value=lesson.PRESETS["lesson"]["drafting"], label="Drafting",
                                             info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
                                                  "Rounds). always: draft every round.")
@@ -847,7 +891,8 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("One row per round, one column per block position: the **anchor** (the last committed token, where the block starts), "
                             "the drafts d1 … d(B−1), and the bonus (the target's own token after the accepted drafts). Hover a cell for the "
                             "drafter's probability and the target's token. Step through the decode round by round. A row of rejected drafts can read as "
-                            "nonsense: they are the drafter's wrong guesses, thrown away — only the target's tokens are kept.")
+                            "nonsense: they are the drafter's wrong guesses, thrown away — only the target's tokens are kept.\n\n"
+                            + figures.GLYPH_LEGEND, elem_id="rounds-intro")
                 with gr.Row():
                     r_mode = gr.Radio(list(MODES), value="d3d-async", label="Mode")
                     r_idx = gr.Slider(0, 1, value=0, step=1, label="Show rounds up to")
@@ -859,14 +904,13 @@ def build_demo() -> gr.Blocks:
                 r_hyps = gr.Dataframe(figures.hypotheses_table(None, 0, {}), interactive=False,
                                       label="Hypotheses (a, t) drafted during this round's verify (d3d-async): \"a drafts will be accepted and the bonus will be t\"; "
                                             "a hit means the next block was ready")
+                gr.Markdown(figures.HYPOTHESES_NOTE, elem_id="hypotheses-note")
             with gr.Tab("Timeline", id="timeline"):
                 with gr.Row():
                     clock = gr.Radio([("as measured (the race's own clock)" if n == service.MEASURED_CLOCK else n, n) for n in service.clock_names()],
                                      value=service.MEASURED_CLOCK, elem_id="clock",
                                      label="Clock: as measured (the race's own), or this run re-timed on other hardware (latency model, projected)",
-                                     info="A projected clock keeps this run's rounds (its τ, accepts and hits) and changes only what each forward "
-                                          "costs. (derived): costs computed from a GPU's datasheet (memory bandwidth, FLOP/s) and the model's size, "
-                                          "not measured on that GPU; (scaled): a profile whose costs the what-if sliders of Benchmarks › Projections multiplied.")
+                                     info=clock_info(service.clock_names()))
                 with gr.Accordion("What this clock assumes", open=False):
                     clock_src = gr.Markdown(service.clock_assumptions(service.MEASURED_CLOCK), elem_id="clock-assumptions")
                 # two short sections, one at a time (the page fits a 1000 px screen): both lanes, then what a token cost
@@ -883,7 +927,8 @@ def build_demo() -> gr.Blocks:
                                     elem_id="timeline-next")
                     with gr.Tab("Economics of this run", id="timeline-economics"):
                         gr.Markdown("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it committed "
-                                    "(about one round ÷ τ; the last round commits fewer than a + 1 when the answer ends inside it); a round is a "
+                                    "(about one round ÷ τ; a round commits a + 1 tokens — `a` accepted drafts + the bonus — but the last one "
+                                    "commits fewer when the answer ends inside it); a round is a "
                                     "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
                                     "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                                     "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
@@ -891,27 +936,33 @@ def build_demo() -> gr.Blocks:
                                     "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
                                     "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
                                     "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
-                                    "In the table, *T_verify(B)*, *T_draft* and *T_packed* are the mean times of one verify of B tokens, one "
-                                    "draft, and one packed pass (d3d-async's drafts for all H hypotheses in one forward, run during verify).")
+                                    "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
+                                    "all H hypotheses in one forward, run during verify).")
                         econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
                         econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
                                                   interactive=False, wrap=True)
             with gr.Tab("Acceptance", id="acceptance"):
                 acc_plot = gr.Plot(figures.acceptance_figure([]), label="Acceptance")
-                gr.Markdown("This race's acceptance. d3d-seq and d3d-async share one drafter, yet their τ can differ: the drafter's "
-                            "int8 layers scale each batch of rows as a whole and the two modes draft in different batches, so where the "
-                            "drafter is unsure they guess differently (with `D3D_DRAFTER_INT8=off` their τ agree). How τ and speed "
+                gr.Markdown("This race's acceptance. d3d-seq and d3d-async share one drafter, yet their τ can differ: on either "
+                            "engine the drafter runs its MLPs and head in int8 (the Engine choice — fp32 or int4 — is the target's), "
+                            "int8 scales each batch of rows as a whole, and the two modes draft in different batches, so where the "
+                            "drafter is unsure they guess differently (a server started with `D3D_DRAFTER_INT8=off`, a setting of "
+                            "the server and not of this page, drafts in fp32, and there their τ agree). How τ and speed "
                             "change with the block size B: **Benchmarks › Acceptance and block "
                             "size** (a bench sweep). The app shows several τ (this race's, the bench's, offline, calibration, held-out): "
                             "**How it works › Which τ is which** says how each is measured and why they differ.", elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
-                gr.Markdown("Untick drafter layers to skip them (their residual stream passes through). The offline τ is re-measured live "
-                            "on a small calibration set; the curve shows the precomputed greedy progression, and the dashed grey line "
-                            "the 99 % of the full drafter's τ that the D3D preprint keeps while removing 5 of a **36-layer** drafter's layers — "
-                            "a deep drafter's reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
+                gr.Markdown("Untick drafter layers to skip them: a skipped layer adds nothing, and its input passes on to the next "
+                            "layer unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ "
+                            "is re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the "
+                            "precomputed greedy progression (at each step, drop the layer whose removal costs the least τ), and the "
+                            "dashed grey line the 99 % of the full drafter's τ that the D3D preprint (the paper this app's D3D "
+                            "method comes from) keeps while removing 5 of a **36-layer** drafter's layers — a deep drafter's "
+                            "reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
-                                          "+ trained rank-64 adapters on the MASK slots — the paper's deep-drafter setting in small.")
+                                          "+ trained rank-64 adapters (small weights added to those layers) that act on the MASK "
+                                          "slots (the positions still to be guessed) — the paper's deep-drafter setting in small.")
                 p_layers = gr.CheckboxGroup([], label="Active D3D drafter layers", elem_id="prune-layers")
                 p_msg = gr.Markdown()
                 with gr.Row():
@@ -996,7 +1047,7 @@ def build_demo() -> gr.Blocks:
                         with gr.Row():
                             pj_tau = gr.Slider(0.5, 3.0, value=1.0, step=0.01,
                                                label="τ scale: × each mode's own measured τ (1 = as the bench measured each mode; capped to [1, B])")
-                            pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label="hit rate (d3d-async; starts at the measured one)")
+                            pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label=hit_slider_label(m_hit, service.measured_point_source(home)))
                         with gr.Row():
                             pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
                             pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")
@@ -1033,7 +1084,7 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(explain.pruning_story(service.pruning_curve(home), service.pruning_curve(home, "d3d-deep"),
                                                           service.deep_benches(home)),
                                     elem_id="pruning-story")
-                        gr.Plot(figures.diagram_pruning(), label="Pruning")
+                        gr.Plot(figures.diagram_pruning(service.pruning_curve(home)), label="Pruning")
                     with gr.Tab("Which τ is which", id="explain-which-tau"):
                         gr.Markdown(explain.WHICH_TAU)
                     with gr.Tab("Glossary", id="explain-glossary"):

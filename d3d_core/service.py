@@ -429,19 +429,31 @@ def measured_point(bundle_name: str) -> tuple:
     start, so a projection begins from what this bundle's drafter really achieves. The projection models
     rounds that all draft, so where the bench also drafted every round (``--compare-drafting``) those
     rows give the figures; a gated table's τ counts undrafted rounds as 1."""
+    return _measured_point(bundle_name)[:3]
+
+
+def measured_point_source(bundle_name: str) -> str:
+    """Where ``measured_point`` took its figures, in words for the slider it starts."""
+    return _measured_point(bundle_name)[3]
+
+
+def _measured_point(bundle_name: str) -> tuple:
     res = bench_result(bundle_name) or {}
     dec = (res.get("config") or {}).get("decode") or {}
     row = next((s for s in res.get("summary") or [] if s.get("mode") == "d3d-async" and s.get("dataset") == "gsm8k"), None)
     every = [r for r in res.get("rows") or [] if r.get("mode") == "d3d-async" and r.get("dataset") == "gsm8k"
              and r.get("block_size") == dec.get("block_size") and plan_of(r) == (dec.get("verify"), "always") and r.get("rounds")]
+    where = "the Measured bench's d3d-async on gsm8k (its table's row)"
     if every:
         hits = [r["hit_rate"] for r in every if r.get("hit_rate") is not None]
         row = {"tau": sum(r["tau"] * r["rounds"] for r in every) / sum(r["rounds"] for r in every),
                "hit_rate": sum(hits) / len(hits) if hits else 0.0}
+        where = (f"the Measured bench's d3d-async on gsm8k, drafting every round (the mean over its {len(hits)} prompts; "
+                 "the projection models rounds that all draft)")
     B = int(dec.get("block_size") or 8)
     if not row:
-        return 2.0, 0.3, B
-    return round(float(row["tau"]), 2), round(float(row.get("hit_rate") or 0.0), 2), B
+        return 2.0, 0.3, B, "assumed: no bench of d3d-async on gsm8k ships with this bundle"
+    return round(float(row["tau"]), 2), round(float(row.get("hit_rate") or 0.0), 2), B, where
 
 
 def block_sweep_stale(bundle_name: str) -> bool:

@@ -250,3 +250,37 @@ def test_sweep_removes_old_copies_of_the_apps_own_files_and_nothing_else(tmp_pat
     assert not files["ours_old"].exists() and not files["race_old"].exists() and not files["stray_old"].exists()
     assert not (g / "h1").exists() and not (g / "h2").exists()  # their emptied hash directories too
     assert files["other_old"].exists() and files["ours_new"].exists()
+
+
+def test_the_clock_text_names_only_the_tags_an_offered_clock_carries():
+    """"(scaled)" is explained only where a scaled clock is offered (the Timeline offers none by default), and so for
+    each tag; what a projected clock keeps is always said."""
+    from app import ui
+    from d3d_core import service
+
+    names = service.clock_names()
+    info = ui.clock_info(names)
+    assert "keeps this run's rounds" in info
+    assert ("(scaled)" in info) == any("(scaled)" in n for n in names)
+    assert ("(derived)" in info) == any("(derived)" in n for n in names)
+    assert "(scaled)" in ui.clock_info(names + ["smollm2-135m on H200 (derived) (scaled)"])
+    plain = ui.clock_info(["measured here"])
+    assert "(scaled)" not in plain and "(derived)" not in plain and "(measured" not in plain
+
+
+def test_the_projection_hit_slider_says_which_measurement_it_starts_at():
+    from app import ui
+    from d3d_core import service
+
+    tau, hit, B = service.measured_point("smollm2-135m")
+    label = ui.hit_slider_label(hit, service.measured_point_source("smollm2-135m"))
+    assert f"starts at {hit:.2f}" in label and "Measured bench's d3d-async on gsm8k" in label and "prompts" in label
+    assert "assumed" in ui.hit_slider_label(service.measured_point("toy")[1], service.measured_point_source("toy"))
+
+
+def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chip_counts():
+    from app import ui
+
+    assert "status line above the tabs" in ui.ENGINE_INFO and "int4 GEMM" in ui.ENGINE_INFO
+    lesson_label = next(lab for _, lab in ui.EXAMPLES if "lesson" in lab)
+    assert "first 96 tokens" in lesson_label  # its τ is not the lesson race's, which runs to the end of the answer

@@ -110,6 +110,34 @@ def test_hypotheses_table(traces, pieces):
     assert figures.hypotheses_table(traces[1], 0, pieces).empty
 
 
+def test_tokens_are_written_one_way_in_the_grid_the_table_and_the_sentences(traces):
+    """A space is ␣, a newline ⏎ (never "\\n"), a token without text ∅ (never a blank cell), in the Rounds grid and the
+    hypotheses table alike, with a legend naming all three; a word-token of up to 12 characters is never cut with …"""
+    import dataclasses
+
+    from app import lesson
+
+    assert figures.glyph(" cost") == "␣cost" and figures.glyph("\n") == "⏎" and figures.glyph("") == "∅"
+    assert all(g in figures.GLYPH_LEGEND for g in ("␣", "⏎", "∅"))
+    from d3d_core.decoding.trace import Hypothesis
+
+    tr = traces[3]
+    r = tr.rounds[0]
+    word, nl, empty = 901, 902, 903  # ids the toy vocabulary does not use
+    pieces = {word: " calculate", nl: "\n", empty: ""}
+    r = dataclasses.replace(r, hypotheses=[Hypothesis(1, word, 0.1, [nl, empty, word], hit=False)])
+    row = figures.hypotheses_table(dataclasses.replace(tr, rounds=[r, *tr.rounds[1:]]), 0, pieces).iloc[0]
+    assert row["t (bonus)"] == "␣calculate"
+    assert row["drafted successor block"] == "⏎ | ∅ | ␣calculate"  # no "\\n", no blank
+    one = dataclasses.replace(tr, rounds=[dataclasses.replace(r, bonus=word)])
+    grid = figures.rounds_grid_figure(one, pieces).data[0]
+    assert grid.text[0][-1] == "␣calculate"  # the bonus cell, whole
+    assert "“␣calculate”" in grid.hovertext[0][-1]
+    said = lesson._show({1: " calculate", 2: "", 3: "\n", 4: " "}, [1, 2, 3, 4])
+    assert said == "“calculate · ∅ · ⏎ · ␣”"  # the sentences drop a word's leading space, write ∅ and ⏎ alike
+    assert "H likeliest" in figures.HYPOTHESES_NOTE and "need not add up to 1" in figures.HYPOTHESES_NOTE
+
+
 def test_pruning_figures():
     curve = {"layers": 3, "order": [2, 0], "curve": [
         {"removed": 0, "kept": [0, 1, 2], "tau": 3.0, "tau_rel": 1.0},
@@ -165,6 +193,23 @@ def test_diagrams_render():
         assert f.layout.shapes
 
 
+def test_the_pruning_picture_skips_what_the_shipped_curve_removes_first():
+    """With a curve, the picture skips the two layers its greedy order removes first and says so; without, it says it is
+    a generic picture."""
+    from d3d_core import service
+
+    def skipped(f):
+        return [a.text.split("<br>")[0] for a in f.layout.annotations if a.text.endswith("<br>skipped")]
+
+    curve = service.pruning_curve("smollm2-135m")
+    f = figures.diagram_pruning(curve)
+    first = [f"L{i}" for i in curve["order"][:2]]
+    assert skipped(f) == sorted(first, key=lambda x: int(x[1:])) and f"removes {first[0]} first, then {first[1]}" in f.layout.title.text
+    g = figures.diagram_pruning({"layers": 8, "order": [6, 1]})
+    assert skipped(g) == ["L1", "L6"]
+    assert "generic picture" in figures.diagram_pruning().layout.title.text and len(skipped(figures.diagram_pruning())) == 2
+
+
 def test_column_html_states_and_labels(traces, pieces):
     tr = traces[3]
     h = column_html(tr, pieces, ar_time_per_token=1 / traces[0].stats.tokens_per_s)
@@ -176,6 +221,9 @@ def test_column_html_states_and_labels(traces, pieces):
     legend = legend_html()
     for word in ("accepted", "bonus", "rejected", "pending"):
         assert word in legend
+    # the counters' words a screenshot cannot hover: what a hit is, and why the other modes read "–"
+    assert "hit rate</b> (d3d-async only)" in legend and "(a, t)" in legend and "packed pass" in legend
+    assert "the other modes do not guess ahead" in legend
 
 
 def test_column_html_replay_shows_pending(traces, pieces):
@@ -206,7 +254,9 @@ def test_bench_and_latency_check_tables():
     }
     assert list(figures.bench_table(res)["speedup"]) == [1.2]
     t = figures.latency_check_table(res)
-    assert t.iloc[0]["error (probe)"] == 0.25 and t.iloc[0]["error (run)"] == 0.05
+    assert t.iloc[0]["error (probe)"] == "+25.0%" and t.iloc[0]["error (run)"] == "+5.0%"  # percentages, signed
+    res["latency_model_in_run"][0]["error"] = -0.007
+    assert figures.latency_check_table(res).iloc[0]["error (run)"] == "-0.7%"
     assert figures.latency_check_table(None).empty and figures.bench_table(None).empty
     res["config"] = {"decode": {"verify": "adaptive"}}
     res["verify_compare"] = {"d3d-seq": {"adaptive": {"tau": 2.5, "speedup": 1.2, "tokens_per_s": 15.0},
@@ -339,6 +389,9 @@ def test_both_acceptance_histograms_count_committed_tokens(traces):
     """One convention: tokens committed per round, a + 1 (1 … B), in the race's and the bench's histogram."""
     race = figures.acceptance_figure(traces)
     assert min(race.data[0].x) == 1 and "a + 1" in race.layout.title.text
+    # a round without a draft is said to count as a + 1 = 1 (not "(undrafted rounds: 1)", which read as a count)
+    assert "a round without a draft counts as a + 1 = 1" in race.layout.xaxis.title.text
+    assert "undrafted rounds: 1" not in race.layout.xaxis.title.text
     bench = figures.bench_acceptance_figure({"acceptance_hist": {"g": {"d3d-seq": {"0": 1, "2": 3}}}})
     assert list(bench.data[0].x) == [1, 2, 3] and list(bench.data[0].y) == [0.25, 0.0, 0.75]
     assert "a + 1" in bench.layout.title.text and "drafted rounds" in bench.layout.xaxis.title.text
@@ -360,17 +413,28 @@ def test_model_vs_measured_has_no_empty_columns():
 
 
 def test_economics_table_shows_the_identities_and_short_flags(traces):
-    t = figures.economics_table(traces).set_index("mode")
-    parts = t["= verify"] + t["+ draft not hidden"] + t["+ other"]
-    assert (abs(parts - t["round"]) <= 0.011).all()
-    assert (abs(t["round"] / t["T_step (ar ms/token)"] - t["break-even τ = round / T_step"]) <= 0.011).all()
-    flags = t.loc["d3d-async", "flags"]
-    assert flags.startswith("⚠ timing noise") and len(flags) < 70  # the last column stays short (no truncated cell)
+    """One column per mode (short headers: a page of seventeen quantity columns broke them mid-word), one row per
+    quantity; the round's parts add up as printed, break-even τ = round / T_step, the hit rate is a percentage and
+    the speedup is written as on the Race tab."""
     from d3d_core.measure import economics
 
+    t = figures.economics_table(traces).set_index("quantity")
+    assert list(t.columns) == [tr.mode for tr in traces] and all(len(c) <= 9 for c in t.columns)
+    num = lambda row, m: float(t.loc[row, m])  # noqa: E731
+    for m in t.columns:
+        parts = num("= verify", m) + num("+ draft not hidden", m) + num("+ other", m)
+        assert abs(parts - num("round (ms)", m)) < 1e-9, m  # tenths of a ms that add up as printed
+        assert abs(num("round (ms)", m) / num("T_step: what ar paid per token (ms)", m) - num("break-even τ = round / T_step", m)) <= 0.011
+    for e in economics.race_economics(traces):
+        assert t.loc["hit rate", e.mode] == ("–" if e.hit_rate is None else f"{e.hit_rate:.0%}")
+        if e.speedup is not None and not e.too_short:
+            assert t.loc["speedup vs ar", e.mode] == f"{e.speedup:.2f}×"
+    assert t.loc["hit rate", "d3d-async"].endswith("%")
+    flags = t.loc["flags", "d3d-async"]
+    assert flags.startswith("⚠ timing noise") and len(flags) < 70  # the cell stays short (no truncated cell)
     clean = [tr for tr in traces if tr.mode != "d3d-async"]
     assert not any(e.flags for e in economics.race_economics(clean))
-    assert "flags" not in figures.economics_table(clean).columns  # no flag: no always-empty column
+    assert "flags" not in set(figures.economics_table(clean)["quantity"])  # no flag: no always-empty row
 
 
 def test_timeline_caption_states_the_cause_from_the_numbers(traces):
@@ -622,3 +686,22 @@ def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
     assert "earlier drafters" not in figures.speedup_vs_block_figure(sweep, "gsm8k").layout.title.text
     assert service.block_sweep_stale("smollm2-135m") == ("replaced since" in service.block_sweep_result("smollm2-135m")["note"])
     assert not service.block_sweep_stale("toy")
+
+
+def test_how_it_works_says_where_its_break_even_comes_from_and_the_glossary_covers_the_bench_columns():
+    from app import explain
+    from d3d_core import service
+    from d3d_core.measure.costs import forwards_at
+
+    costs = service.cost_breakdown("smollm2-135m")
+    by = forwards_at(costs)
+    v8 = round(by["verify(8)"]["per_step"], 2)
+    draft = round(next(r for r in by.values() if r["forward"].startswith("d3d draft"))["per_step"], 2)
+    text = explain.intro(costs)
+    assert f"{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps" in text and f"about {v8 + draft:.1f}" in text
+    assert "fp32 engine" in text and "Where the time goes" in text and "A race's own" in text
+    for term in ("**skipped**", "**lossless_rate**", "**overlap share**", "the Benchmarks table's *overlap*",
+                 "**machine bound**", "**score P(a,t)**"):
+        assert term in explain.GLOSSARY, term
+    row = next(line for line in explain.WHICH_TAU.splitlines() if line.startswith("| **d3d-seq's τ vs d3d-async's**"))
+    assert "on either engine" in row and "a setting of the server" in row

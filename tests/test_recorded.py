@@ -164,21 +164,62 @@ def test_the_timeline_says_what_the_prefill_does_to_the_whole_run():
             f"({whole['ar'] / whole['d3d-async']:.2f}×)") in cap
 
 
-def test_a_column_says_why_tau_times_rounds_is_not_the_tokens_decoded():
-    """τ counts each round's a + 1 whole; where the stop cut the last round the column says so with the two counts, and
-    says nothing where they agree (d3d-async's last round here ended exactly at the stop)."""
+def test_every_drafting_column_says_rounds_times_tau_and_why_it_is_not_the_tokens_decoded():
+    """τ counts each round's a + 1 whole: every drafting column (d3d-async's too) says "N rounds × τ = M tokens", and
+    where the stop cut the last round it adds the tokens printed and why; ar has no such line."""
     from app.tokens import _tau_note
 
     trs, _ = service.recorded_race("smollm2-135m")
     for t in trs:
         whole, decoded = sum(r.accepted + 1 for r in t.rounds), sum(len(r.committed) for r in t.rounds)
         note = _tau_note(t)
-        if t.mode == "ar" or whole == decoded:
+        if t.mode == "ar":
             assert note == ""
+            continue
+        line = f"{len(t.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens"
+        assert line in note and round(t.stats.tau * len(t.rounds)) == whole, (t.mode, note)
+        if whole == decoded:
+            assert "printed" not in note and "stop cut" not in note
         else:
-            assert f"{len(t.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens, {decoded}&nbsp;printed: the stop cut the last round" in note
-            assert round(t.stats.tau * len(t.rounds)) == whole and decoded == len(t.output_ids) - 1
-    assert any(_tau_note(t) for t in trs) and any(t.mode != "ar" and not _tau_note(t) for t in trs)
+            assert f"{line}, {decoded}&nbsp;printed: the stop cut the last round" in note
+            assert decoded == len(t.output_ids) - 1
+    by = {t.mode: t for t in trs}
+    # the shipped race: d3d-async's last round ended exactly at the stop, and it still gets its line
+    a = by["d3d-async"]
+    assert sum(r.accepted + 1 for r in a.rounds) == sum(len(r.committed) for r in a.rounds)
+    assert f"{len(a.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ" in _tau_note(a)
+    assert any("stop cut" in _tau_note(t) for t in trs)
+
+
+def test_the_async_column_says_its_drafts_hide_only_on_hits():
+    """d3d-async shows "draft not hidden" ms although it overlaps: its column says why, with this race's hit rate."""
+    from app.tokens import column_html
+    from d3d_core.measure.economics import race_economics
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
+    cols = dict(zip(MODES, ui._columns(state)))
+    ec = {e.mode: e for e in race_economics(trs)}
+    assert f"drafts are hidden only on hits ({ec['d3d-async'].hit_rate:.0%} here)" in cols["d3d-async"]
+    assert "after a miss the next block is drafted after the verify" in cols["d3d-async"]
+    assert all("hidden only on hits" not in cols[m] for m in MODES if m != "d3d-async")
+    async_tr = next(t for t in trs if t.mode == "d3d-async")
+    assert "hidden only on hits" in column_html(async_tr, {}, econ=ec["d3d-async"])
+
+
+def test_the_rounds_caption_says_what_the_position_counts_and_why_round_0_was_not_drafted_ahead():
+    trs, _ = service.recorded_race("smollm2-135m")
+    state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
+    by = {t.mode: t for t in trs}
+    for mode in ("d3d-async", "d3d-seq"):
+        r = by[mode].rounds[1]
+        prompt = len(by[mode].prompt_ids)
+        cap = ui._rounds_view(state, mode, 1)[2]
+        assert (f"anchor at position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + "
+                f"{r.anchor_pos - prompt} of the output so far)") in cap
+    first = ui._rounds_view(state, "d3d-async", 0)[2]
+    assert "in round 0 nothing could be drafted ahead, because no verify had started yet" in first
+    assert "nothing could be drafted ahead" not in ui._rounds_view(state, "d3d-seq", 0)[2]
 
 
 def test_the_status_line_defines_tau_once_and_says_why_async_trails_seq():
