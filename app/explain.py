@@ -213,20 +213,20 @@ GLOSSARY = """
 | **hypothesis `(a, t)`** | d3d-async's guess of the verify outcome, drafted ahead during verify |
 | **score P(a,t)** | the Rounds tab's hypotheses table: the drafter's own estimate that the verify accepts `a` drafts and its bonus is `t`; only the `H` likeliest are listed, so the scores need not add up to 1, and the hit can be a low-scored one |
 | **H** | how many hypotheses are drafted in the packed pass |
-| **hit rate** | share of d3d-async rounds where one hypothesis equalled the verify outcome, over the rounds whose next block was needed (every round but the last: its hypotheses get no verdict); a hit can come with `a = 0` (no draft accepted, but the bonus token was guessed), so a run with τ 1.00 can still have hits |
+| **hit rate** | share of d3d-async rounds (all but the last, which has no verdict) where one hypothesis was the verify's outcome; a hit can have `a = 0` (only the bonus guessed), so τ 1.00 can come with hits |
 | **overlap share** | share of the drafter's busy time that ran while the target was verifying (the Benchmarks table's *overlap* is the same share, over the bench's runs) |
 | **lossless_rate** | Benchmarks table: share of the bench's answers identical to `ar`'s (1.0: every one) |
 | **skipped** | Benchmarks table: share of rounds the draft gate left without a draft (each an `ar` step) |
-| **machine bound** | the black diamond of Benchmarks › *Where the time goes*: the time a forward would take reading its bytes at the machine's measured copy speed (or doing its FLOPs at the measured GEMM rate, whichever is longer) — a yardstick, not a floor |
+| **machine bound** | Benchmarks › *Where the time goes*, black diamond: a forward's bytes at the measured copy speed or its FLOPs at the measured GEMM rate, whichever is longer — a yardstick, not a floor |
 | **idle time** | time a lane (target or drafter) had nothing to do during the run |
 | **offline τ** | τ measured by teacher forcing at many anchors, no decoding loop |
 | **lossless** | at temperature 0 every mode emits exactly the AR target's tokens |
-| **match rule** | the verify rule at temperature > 0 used by default: sample the target's token at every block position and accept drafts while they equal those samples (lossless, simple); *rejection* is standard speculative sampling (accept `d` with probability `min(1, p/q)`), which accepts more often |
+| **match rule** | the default verify rule at temperature > 0: accept drafts while they equal the target's own samples (lossless); *rejection* (accept `d` with probability `min(1, p/q)`) accepts more often |
 | **T_step** | what `ar` paid per token in the same race: its decode time ÷ its tokens (one step's forward + its own bookkeeping); the yardstick of every "N ar steps", speedup and break-even τ |
 | **T_verify(B), T_draft, T_packed** | mean span of one verify of `B` tokens, one draft, one packed pass — from the run's own spans |
-| **round (ms)** | a round's *time*: a mode's decode time ÷ its rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy) — the three parts add up exactly (the columns round them so that the whole ms still add up) |
+| **round (ms)** | decode time ÷ rounds = verify + draft not hidden (drafting the target waited for) + other (neither lane busy); the parts add up to the round |
 | **break-even τ** | round ÷ T_step: the τ at which a mode, with the round costs it paid, would tie `ar` here — the same number as "a round costs N ar steps" |
-| **offline τ vs the race's τ** | offline τ scores drafts against the target's greedy continuation at many anchors (teacher forcing); the race's τ is over the rounds of one decode, whose anchors follow the accepted prefixes — the two agree on average over many prompts, not per prompt; a calibration set τ (tuned on) is higher than a held-out one |
+| **offline τ vs the race's τ** | offline τ: teacher forcing at many fixed anchors; the race's τ: the rounds of one decode — they agree on average over many prompts, not per prompt |
 """
 
 WORDS = """

@@ -67,12 +67,9 @@ def legend_html() -> str:
         '<span><span class="tok first">first</span> first token (from prefill)</span>'
         '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
         "</div>"
-        '<div class="d3d-legend d3d-counters"><span><b>τ</b>: tokens per round (accepted drafts + the bonus)</span>'
-        f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async only): d3d-async drafts the next '
-        "block during the verify, one for each of a few guesses (a, t) of how the verify ends — “a drafts accepted, "
-        "bonus token t” — all in one forward (the packed pass); a hit: one guess was right, so the next block was "
-        "ready. “–”: the other modes do not guess ahead</span>"
-        '<span>hover any counter or term for its meaning</span></div>'
+        '<div class="d3d-legend d3d-counters"><span><b>τ</b>: tokens per round (accepted drafts + bonus)</span>'
+        f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async): next block drafted during '
+        "the verify, for the guess (a, t) that came true; “–”: no guessing ahead</span><span>hover a term for more</span></div>"
     )
 
 
@@ -359,11 +356,13 @@ def _econ_html(e) -> str:
             c += f" · {_term('T_packed')} {e.t_packed_ms:.1f}"
         lines.append(c)
         if e.mode == "d3d-async" and e.hit_rate is not None:  # why an overlapping mode still shows drafting in the open
-            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts are hidden only on hits '
-                         f"({e.hit_rate:.0%} here): after a miss the next block is drafted after the verify, in the open (and on shared "
-                         "cores the packed pass slows the verify it runs beside)</span>")
+            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts hidden only on hits '
+                         f"({e.hit_rate:.0%}); a miss drafts after the verify</span>")
         if e.flags:
-            lines.append("⚠ <b>implausible reading</b> (timing noise): " + html.escape("; ".join(e.flags)))
+            # the first reason in the column; every reason in the hover (the banner above the tabs repeats them per mode)
+            why = e.flags[0].split(":")[0]
+            lines.append(f'<span class="term" title="{html.escape("; ".join(e.flags))}">⚠ <b>implausible reading</b> '
+                         f"(timing noise): {html.escape(why)}{' …' if len(e.flags) > 1 or ':' in e.flags[0] else ''}</span>")
         elif e.break_even_tau is not None:
             lines.append(f"{_term('break-even τ')} = round {e.round_ms:.1f} / {_term('T_step')} {e.t_step_ms:.1f} ms = "
                          f"<b>{e.break_even_tau:.2f}</b> (τ here {e.tau:.2f})")

@@ -54,10 +54,9 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat · τ ≈ 1.2"),
 ]
-ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks (the fastest ar this app has: the fair baseline; the ⚖ fair race and the API's "
-               "default). fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Every mode "
-               "is lossless against ar on the same engine; the status line above the tabs names the int4 kernel that ran "
-               "(“int4 GEMM: …”).")
+ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks, the fastest ar here (the fair baseline; ⚖ fair race, the API's default). "
+               "fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Lossless "
+               "against ar on the same engine; the status line above the tabs names the int4 kernel (“int4 GEMM: …”).")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -838,26 +837,23 @@ def build_demo() -> gr.Blocks:
                         d3d_names = service.d3d_drafters(home)
                         d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
-                                            info="d3d-deep: all the target's layers + rank-64 adapters (small trained weights added to "
-                                                 "those frozen layers; 64 is their width) that act only on the MASK slots (the block "
-                                                 "positions still to be guessed). Higher τ, but each draft reads every "
-                                                 "layer, as a verify does, and costs about as much: race both and compare.")
+                                            info="d3d-deep: the target's own layers + small trained adapters (rank 64) acting on the "
+                                                 "MASK slots (the positions still to be guessed). Higher τ, but a draft reads every layer, "
+                                                 "as a verify does: race both and compare.")
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
                                              info="a target model with the drafters trained for it; smollm2-135m is read from its GGUF "
                                                   "file (llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples · τ: d3d-seq's tokens per round (accepted drafts + bonus) over the first 96 "
-                                          f"new tokens — a longer race (the lesson's runs to {lesson.PRESETS['lesson']['max_new_tokens']}) "
-                                          "reads another τ")
+                                    label="Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race "
+                                          "reads another τ)")
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
-                                         info="d3d-async's guesses of how a verify ends — (a, t): “a drafts accepted, bonus "
-                                              "token t” — each with its next block drafted during that verify, all in one "
-                                              "forward (the packed pass)")
+                                         info="d3d-async's guesses (a, t) of how a verify ends (“a drafts accepted, bonus t”), "
+                                              "their next blocks drafted in one forward during it (the packed pass)")
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter pruned as in the Pruning tab",
                                                  info="on: only the layers ticked there; off: the drafter as shipped")

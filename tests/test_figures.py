@@ -222,8 +222,8 @@ def test_column_html_states_and_labels(traces, pieces):
     for word in ("accepted", "bonus", "rejected", "pending"):
         assert word in legend
     # the counters' words a screenshot cannot hover: what a hit is, and why the other modes read "–"
-    assert "hit rate</b> (d3d-async only)" in legend and "(a, t)" in legend and "packed pass" in legend
-    assert "the other modes do not guess ahead" in legend
+    assert "hit rate</b> (d3d-async)" in legend and "(a, t)" in legend and "drafted during the verify" in legend
+    assert "no guessing ahead" in legend
 
 
 def test_column_html_replay_shows_pending(traces, pieces):
