@@ -357,6 +357,19 @@ def pruning_story(shallow: dict | None, deep: dict | None, deep_benches: list = 
         c = (p or {}).get("tau_eval_rel_ci")
         return f" (95 % interval {c[0]:.1%}–{c[1]:.1%})" if c else ""
 
+    def healed_words(c):  # what the curve's healed points say, or that healing was not run on it
+        pts = [p for p in (c or {}).get("curve") or [] if p.get("healed")]
+        if not pts:
+            return " (not run on this curve: `prune --heal` needs distillation data)"
+        ref = "the unpruned drafter fine-tuned alike" if c.get("heal_reference") == "heal_control" else "the unpruned drafter"
+        said = []
+        for p in pts:
+            h = p["healed"]
+            kd = f", distilling from the unpruned drafter α {h['kd_alpha']}" if h.get("kd_alpha") else ""
+            said.append(f"with {p['removed']} removed, {h['steps']} steps{kd}: {pct(h, 'tau_eval_rel')} of {ref}{ci(h)}, "
+                        f"from {pct(p, 'tau_eval_rel')} before")
+        return " — measured: " + "; ".join(said)
+
     out = ["### Pruning a deep drafter, with this bundle's curves",
            "The D3D preprint prunes a 36-layer drafter by each layer's effect on acceptance and keeps over 99 % of τ with "
            "5 layers removed. Here, measured the same way (greedy, offline τ, held-out prompts never used to choose):"]
@@ -377,7 +390,7 @@ def pruning_story(shallow: dict | None, deep: dict | None, deep_benches: list = 
                 "only while **every** target layer runs — that is why its draft 1 is always the target's token. Skip any "
                 "layer and the context rows' keys and values and the anchor's output all change, so draft 1 can be wrong, "
                 "and the adapters act on the MASK slots only: they cannot repair the context rows or the anchor slot, and "
-                "healing retrains only them (not yet run on `d3d-deep`: its distillation data must be regenerated first). "
+                f"healing retrains only them{healed_words(deep)}. "
                 "A likely reason the preprint's result differs: a deep drafter trained as a drafter has depth to spare, "
                 "while a 135 M target's 30 narrow layers each carry part of its own prediction. What a removed layer buys "
                 "is small too: one of 30 layers is about 3 % of the draft's layers, so a layer must cost less than about "

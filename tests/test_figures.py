@@ -655,6 +655,13 @@ def test_the_pruning_story_is_told_with_the_curves_own_figures():
     s2 = pruning_story(shallow, kept)
     assert "**1** layer can go within 99 %" in s2 and "Why the deep drafter" not in s2 and "1 of 30 go within 99 %" in s2
     assert "no pruning curve is shipped (`python -m d3d_core.training.prune --drafter d3d-deep`)" in pruning_story(shallow, None)
+    assert "not run on this curve" in s  # no healed point: says so
+    healed = curve(30, [3, 4], [1.0, 0.93, 0.88]) | {"heal_reference": "heal_control"}
+    healed["curve"][1]["healed"] = {"steps": 200, "lr": 5e-4, "kd_alpha": 0.5, "tau": 3.0, "tau_rel": 0.96, "tau_eval": 2.8,
+                                    "tau_eval_rel": 0.955, "tau_eval_rel_ci": [0.93, 0.98]}
+    s3 = pruning_story(shallow, healed)
+    assert ("with 1 removed, 200 steps, distilling from the unpruned drafter α 0.5: 95.5% of the unpruned drafter fine-tuned "
+            "alike (95 % interval 93.0%–98.0%), from 93.0% before") in s3 and "not run on this curve" not in s3
 
 
 def test_column_costs_add_up_as_printed(traces, pieces):
