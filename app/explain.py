@@ -166,8 +166,8 @@ The default D3D drafter has 8 layers. **`d3d-deep`** (the Race tab's *D3D drafte
 target's layers, frozen, plus small trained **adapters** (rank 64, 9 MB) that act only on the MASK slots. Its
 anchor slot computes exactly what the target computes, so **draft 1 is always the target's own next token**;
 the MASK slots learn the rest.
-But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs about as much as
-a verify**@DEEP_COST@, so a round costs about two verifies.@DEEP_BENCH@
+But each draft now reads every layer's weights, as a target step does: **on this CPU a draft costs almost as much as
+a verify**@DEEP_COST@, so a round costs nearly two verifies.@DEEP_BENCH@
 Race both drafters on one prompt and compare the τ and tokens/s counters, then the draft spans in the
 **Timeline** tab. On a GPU a draft through all 30 layers still reads every layer's weights, so at batch size 1
 it costs about one verify there too — not a fraction of one. What a GPU can change is the overlap: on its own
@@ -237,6 +237,9 @@ WORDS = """
 | **DFlash** | the published target-conditioned block-diffusion drafter (arXiv 2602.06036): it reads the target's hidden states, so it must wait for each verify |
 | **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
 | **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
+| **prefill** | the target's first forward over the whole prompt at once: it fills the KV cache and yields the first output token (pink in the Timeline); every mode starts with it, so tokens/s leave it out |
+| **`<|im_end|>`** | the model's end-of-answer token: printing it ends the answer (*finish = eos*) |
+| **gsm8k, mt_bench, …** | public benchmark prompt sets (school maths, multi-turn chat, code, …) the bench draws its prompts from |
 | **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
 | **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
 | **GGUF, Q4_1** | llama.cpp's model file format, and its 4-bit block format (32 weights share a scale and an offset): the int4 engine computes from these blocks |
@@ -307,6 +310,7 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
     the whole d3d-deep's shipped bench (``service.deep_benches``) beside the 8-layer drafter's bench on the same engine
     (``engine_bench``) when they are shipped."""
     whole = next((b for b in deep_benches if not str(((b.get("config") or {}).get("skip_layers")) or "")), None)
+    row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
     bench = ""
     seq, asy = (_avg(whole, m) if whole else None for m in ("d3d-seq", "d3d-async"))
     if seq and asy:
@@ -323,10 +327,10 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
                   "round keeps at least 2 tokens" if seq["tau"] < 2 else "") + (f"; and a draft in that bench took {draft:.0f} ms, more than the probe's one "
                   "draft of 8, because behind the gate a draft first runs every token committed since the drafter's last "
                   "draft through its 30 layers" if draft else "")
-                  + ". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it. (The "
-                  "overlap probe reads a 30-layer async round near d3d-seq's speed, but it packs one hypothesis that always "
-                  "hits; the bench packs H = 4, a pass several drafts long, and misses often.)")
-    row = next((r for r in ((costs or {}).get("overlap") or {}).get("rows") or [] if r.get("depth") == 30), None)
+                  + ". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it."
+                  + (f" (The overlap probe reads a 30-layer async round at {row['async_over_seq']:.2f}× d3d-seq's speed, but it "
+                     "packs one hypothesis that always hits; the bench packs H = 4, a pass several drafts long, and misses "
+                     "often.)" if row and row.get("async_over_seq") else ""))
     step = forwards_at(costs).get("step")
     steps = f", {row['draft_ms'] / step['wall_ms']:.1f} one-token steps of {step['wall_ms']:.0f} ms" if row and step else ""
     cost = (f" (Benchmarks › *Where the time goes*, the overlap probe: a 30-layer draft takes {row['draft_ms']:.0f} ms{steps}, "

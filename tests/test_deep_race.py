@@ -45,6 +45,10 @@ def test_the_deeper_drafter_section_quotes_the_shipped_deep_bench_beside_the_sam
     assert "AMD EPYC (AVX2), int4 engine, 2026-12-07) `d3d-seq` with it reached τ **2.90**" in s
     assert "ran at **0.80×** `ar`, `d3d-async` 0.80×" in s and "the 8-layer drafter's `d3d-seq` reached τ 1.10 and 0.91×" in s
     assert "@" not in s and "In its bench" not in explain.depth(None)
+    # the probe's depth-30 ratio is quoted as measured (a reader compared it with the Benchmarks tab's), or not at all
+    assert "overlap probe reads" not in s
+    probe = {"overlap": {"B": 8, "rows": [{"depth": 30, "draft_ms": 77.0, "verify_ms": 105.0, "async_over_seq": 1.126}]}}
+    assert "a 30-layer async round at 1.13× d3d-seq's speed" in explain.depth(probe, [whole], eight)
 
 
 def test_a_pruned_draft_that_read_slower_is_not_called_a_saving():
