@@ -952,8 +952,8 @@ def build_demo() -> gr.Blocks:
                             "layer unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ "
                             "is re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the "
                             "precomputed greedy progression (at each step, drop the layer whose removal costs the least τ), and the "
-                            "dashed grey line the 99 % of the full drafter's τ that the D3D preprint (the paper this app's D3D "
-                            "method comes from) keeps while removing 5 of a **36-layer** drafter's layers — a deep drafter's "
+                            "dashed grey line 99 % of **this** drafter's full τ: the share the D3D preprint (the paper this app's D3D "
+                            "method comes from) kept while removing 5 of a **36-layer** drafter's layers — a deep drafter's "
                             "reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
