@@ -334,6 +334,8 @@ def heal(bundle, drafter, curve: dict, removed_counts: list, examples: list, cal
         if save:
             save(curve)
     curve["heal_reference"] = "heal_control" if control else "unpruned"
+    curve["heal_data"] = {"examples": len(examples), "response_tokens": sum(len(e.get("response_ids") or []) for e in examples),
+                          "threads": torch.get_num_threads()}  # what the healing runs trained on (provenance)
     curve["best_99_healed"] = guard.run("best_99_healed", best_within, curve, healed=True)
     return curve
 
