@@ -86,10 +86,9 @@ PRESETS = {
 }
 PRESET_NOTES = {
     "lesson": ("**Lesson: the textbook algorithm.** Every round drafts a block and the target verifies all of it in one "
-               "forward; the fp32 engine, where verifying 8 tokens costs about 1.4 plain steps. Press **▶ Run race**, then "
-               "open **Rounds** and step through rounds 0–3: each has a sentence saying what was drafted, accepted and kept. "
-               "The bundled target is a 135 M model and its arithmetic is often wrong — every mode prints exactly what it "
-               "would print alone (lossless means the same tokens, not better ones)."),
+               "forward, on the fp32 engine. Press **▶ Run race**, then step through rounds 0–3 in **Rounds**: a sentence "
+               "each on what was drafted, accepted and kept. The 135 M target's arithmetic is often wrong — every mode "
+               "prints exactly what it would print alone (lossless: the same tokens, not better ones)."),
     "gate": ("**Refinement 1: the draft gate** (Drafting: gated), on the hard case — a chat prompt where the drafter "
              "mostly misses. The gate skips the draft while drafting has lately earned less than a plain step (pale "
              "blue *no draft* rows in Rounds). Race it, then switch Drafting to *always* and race again: compare d3d-seq's speedup."),

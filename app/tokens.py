@@ -246,7 +246,7 @@ def column_html(trace: Optional[Trace], pieces: dict, mode: str = "", t_ms: Opti
     )
     foot = ""
     if final:
-        foot = (f'<div class="d3d-done">done: {n_tok} tokens = 1 from the prefill + {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s '
+        foot = (f'<div class="d3d-done">done: {n_tok} tokens = 1 (prefill) + {max(n_tok - 1, 0)} in {st.decode_time_s:.2f} s '
                 f'of decode, <span class="term" title="{html.escape(FINISH_WORDS.get(trace.finish_reason, ""))}">'
                 f'finish = {html.escape(trace.finish_reason)}</span>{_tau_note(trace)}</div>')
         kind, words = agreement(trace, ar)
@@ -356,8 +356,8 @@ def _econ_html(e) -> str:
             c += f" · {_term('T_packed')} {e.t_packed_ms:.1f}"
         lines.append(c)
         if e.mode == "d3d-async" and e.hit_rate is not None:  # why an overlapping mode still shows drafting in the open
-            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts hidden only on hits '
-                         f"({e.hit_rate:.0%}); a miss drafts after the verify</span>")
+            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts hidden on hits only '
+                         f"({e.hit_rate:.0%})</span>")
         if e.flags:
             # the first reason in the column; every reason in the hover (the banner above the tabs repeats them per mode)
             why = e.flags[0].split(":")[0]

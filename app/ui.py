@@ -46,7 +46,7 @@ from .tokens import agreement, ar_time_per_token, column_html, drafter_confound,
 # arithmetic is where they shine; the chat prompt stays, labelled as the hard case.
 EXAMPLES = [
     ("A bakery sells muffins for $3 each and cookies for $2 each. Maya buys 4 muffins and 6 cookies. How much does she spend? "
-     "Please reason step by step.", "🎓 lesson · τ ≈ 2.8 over its first 96 tokens"),
+     "Please reason step by step.", "🎓 lesson · τ ≈ 2.8"),
     ("Tom has 5 boxes with 12 pencils in each box. He gives away 17 pencils. How many pencils does he have left? "
      "Please reason step by step.", "math · τ ≈ 2.6"),
     ("Sara earns $15 per hour. She works 6 hours on Monday and 4 hours on Tuesday. How much does she earn in total? "
@@ -54,6 +54,8 @@ EXAMPLES = [
     ("Write a Python function `is_palindrome(s)` that ignores case and spaces, with two examples.", "code · τ ≈ 1.3"),
     ("What are three good habits for learning a new language? Answer briefly.", "chat · τ ≈ 1.2"),
 ]
+# what the chips' τ counts (a lesson race runs to the end of its answer, so it reads another τ)
+EXAMPLES_LABEL = "Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race reads another τ)"
 ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks, the fastest ar here (the fair baseline; ⚖ fair race, the API's default). "
                "fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Lossless "
                "against ar on the same engine; the status line above the tabs names the int4 kernel (“int4 GEMM: …”).")
@@ -725,8 +727,8 @@ def recorded_note(meta: dict) -> str:
     seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
     seq = [x for x in seq if x is not None]
     runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq read "
-                 f"{min(seq):.2f}–{max(seq):.2f}× over them, within {spread:.0%} of each other); the range beside each speedup "
-                 "is this race's own uncertainty, 10–90 % over resamplings of its rounds") if len(seq) > 1 and spread is not None else ""
+                 f"{min(seq):.2f}–{max(seq):.2f}×, within {spread:.0%}); the range beside each speedup: this race's own, "
+                 "10–90 % over resampled rounds") if len(seq) > 1 and spread is not None else ""
     return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
             f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
             "machine's, not this one's. Press **▶ Run race** to race live here.")
@@ -842,18 +844,15 @@ def build_demo() -> gr.Blocks:
                                                  "as a verify does: race both and compare.")
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
-                                             info="a target model with the drafters trained for it; smollm2-135m is read from its GGUF "
-                                                  "file (llama.cpp's format)")
+                                             info="a target model and its drafters (smollm2-135m: from its GGUF file, llama.cpp's format)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
-                                    label="Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race "
-                                          "reads another τ)")
+                                    label=EXAMPLES_LABEL)
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
                                           info="a block = the anchor (the last committed token) + B − 1 drafts")
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
-                                         info="d3d-async's guesses (a, t) of how a verify ends (“a drafts accepted, bonus t”), "
-                                              "their next blocks drafted in one forward during it (the packed pass)")
+                                         info="d3d-async: blocks drafted during a verify for its likeliest ends (a, t)")
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter pruned as in the Pruning tab",
                                                  info="on: only the layers ticked there; off: the drafter as shipped")

@@ -177,6 +177,7 @@ def test_recorded_race_opens_at_once_and_presenter_view(server, page):
     done = {m: re.search(r"done: (\d+) tokens", page.locator(f"#col-{m}").inner_text()).group(1) for m in ("ar", "d3d-seq", "d3d-async")}
     assert len(set(done.values())) == 1, done
     h = _page_height(page)  # the default race at full length (176 tokens), not a shortened one
+    _shot(page, "1c-race-recorded")
     assert h <= PAGE_MAX_PX, f"the Race tab after the recorded default race is {h} px tall at 1500 x 1000"
     # a long answer scrolls inside its box with its end in view (the answer), not its start
     end_in_view = """m => { const box = document.querySelector('#col-' + m + ' .d3d-text'); const toks = box.querySelectorAll('.tok');

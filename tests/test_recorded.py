@@ -200,11 +200,11 @@ def test_the_async_column_says_its_drafts_hide_only_on_hits():
     state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
     cols = dict(zip(MODES, ui._columns(state)))
     ec = {e.mode: e for e in race_economics(trs)}
-    assert f"drafts hidden only on hits ({ec['d3d-async'].hit_rate:.0%})" in cols["d3d-async"]
-    assert "a miss drafts after the verify" in cols["d3d-async"]
-    assert all("hidden only on hits" not in cols[m] for m in MODES if m != "d3d-async")
+    assert f"drafts hidden on hits only ({ec['d3d-async'].hit_rate:.0%})" in cols["d3d-async"]
+    assert "a miss drafts it after the verify" in cols["d3d-async"]  # the why, in its hover
+    assert all("hidden on hits only" not in cols[m] for m in MODES if m != "d3d-async")
     async_tr = next(t for t in trs if t.mode == "d3d-async")
-    assert "hidden only on hits" in column_html(async_tr, {}, econ=ec["d3d-async"])
+    assert "hidden on hits only" in column_html(async_tr, {}, econ=ec["d3d-async"])
 
 
 def test_the_rounds_caption_says_what_the_position_counts_and_why_round_0_was_not_drafted_ahead():
