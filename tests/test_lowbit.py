@@ -108,6 +108,29 @@ def test_attention_matches_sdpa_and_is_row_invariant(threads):
 
 
 @needs_kernel
+def test_glue_add_rmsnorm_and_swiglu_compute_their_definitions_row_by_row():
+    """The residual add + RMSNorm and the SwiGLU product in C: torch's values to float rounding, the add exact, and a
+    row's bits the same in a call of one row as in a call of many (what keeps a verify's rows equal to steps)."""
+    lib = lowbit.library()
+    g = torch.Generator().manual_seed(3)
+    x, y, w = torch.randn(9, 64, generator=g) * 3, torch.randn(9, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    x0 = x.clone()
+    h = lowbit.add_rmsnorm(lib, x, y, w, 1e-5)
+    assert torch.equal(x, x0 + y)  # in place, exact
+    torch.testing.assert_close(h, F.rms_norm(x0 + y, (64,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(lowbit.add_rmsnorm(lib, x[4:5].clone(), None, w, 1e-5)[0], lowbit.add_rmsnorm(lib, x.clone(), None, w, 1e-5)[4])
+    gu = torch.randn(9, 2 * 48, generator=g) * 4
+    gu[0, :4] = torch.tensor([100.0, -100.0, 0.0, 1e-8])
+    a = lowbit.swiglu(lib, gu)
+    torch.testing.assert_close(a, F.silu(gu[:, :48]) * gu[:, 48:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(lowbit.swiglu(lib, gu[6:7].contiguous())[0], a[6])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        lowbit.add_rmsnorm(lib, torch.zeros(2, 12), None, torch.ones(12), 1e-5)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        lowbit.swiglu(lib, torch.zeros(2, 16, dtype=torch.float64))
+
+
+@needs_kernel
 def test_hostile_shapes_are_refused_with_a_message():
     with pytest.raises(ValueError, match="multiples of 32"):
         lowbit.LowbitLinear.from_codes(int4.Codes(torch.zeros(8, 40, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1)))

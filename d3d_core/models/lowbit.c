@@ -24,7 +24,7 @@
 #endif
 
 #define LB_TILE_BYTES 160
-#define LB_VERSION 1
+#define LB_VERSION 2
 #ifndef LB_RS
 #define LB_RS 4 /* rows per register block (up to 4 rows: two tiles of 8 outputs share each row's broadcasts) */
 #endif
@@ -314,5 +314,53 @@ int lowbit_attention(const float *q, long qs, int n, int nh, int nkv, int hd, co
                    y + (long)i * nh * hd + (long)h * hd);
     }
     free(scratch);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+ * The glue between the GEMMs, row by row (one thread: a few microseconds at decode's row counts): each row's
+ * instructions and their order are the same whatever n is, so these keep a verify's rows equal to one-row steps. */
+
+/* x (n, H) += y (when y is not NULL), in place; h (n, H) = x * rsqrt(mean(x^2) + eps) * w. H: a multiple of 8. */
+int lowbit_add_rmsnorm(float *x, const float *y, const float *w, float *h, int n, int H, float eps) {
+    if (n <= 0 || H <= 0 || H % 8) return -1;
+    for (int r = 0; r < n; r++) {
+        float *xr = x + (size_t)r * H, *hr = h + (size_t)r * H;
+        const float *yr = y ? y + (size_t)r * H : NULL;
+        __m256 acc = _mm256_setzero_ps();
+        for (int j = 0; j < H; j += 8) {
+            __m256 v = _mm256_loadu_ps(xr + j);
+            if (yr) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(yr + j));
+                _mm256_storeu_ps(xr + j, v);
+            }
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        const __m256 sc = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(s4) / (float)H + eps));
+        for (int j = 0; j < H; j += 8)
+            _mm256_storeu_ps(hr + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), sc), _mm256_loadu_ps(w + j)));
+    }
+    return 0;
+}
+
+/* out (n, I) = silu(gu[:, :I]) * gu[:, I:] for gu (n, 2I): SwiGLU's product. silu(g) = g * sigmoid(g) with
+ * sigmoid from exp(-|g|) (the polynomial above). I: a multiple of 8. */
+int lowbit_swiglu(const float *gu, int n, int I, float *out) {
+    if (n <= 0 || I <= 0 || I % 8) return -1;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    for (int r = 0; r < n; r++) {
+        const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+        float *o = out + (size_t)r * I;
+        for (int j = 0; j < I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_neg(_mm256_or_ps(gv, sign)); /* exp(-|g|) */
+            const __m256 num = _mm256_blendv_ps(one, e, _mm256_cmp_ps(gv, zero, _CMP_LT_OQ));
+            const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
     return 0;
 }

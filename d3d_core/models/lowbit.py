@@ -12,6 +12,10 @@ reads each weight block once per tile of 8 outputs and serves every row from it 
 - per output and block, Σ q · qx is an exact integer (AVX2 ``maddubs`` / ``madd``), scaled and accumulated in fp32
   over the blocks in a fixed order; threads split the outputs, never K.
 
+The glue between the GEMMs runs here too, row by row (``add_rmsnorm``: the residual add and the RMSNorm after it in
+one call, where torch spends about eight ops and 20-40 µs; ``swiglu``: the MLP's silu(gate) * up), so the int4
+engine's step spends its time in the kernels rather than in op dispatch.
+
 So a row's bits do not depend on how many rows share the call (:func:`self_test` checks it on this machine), and a
 verify over B rows gives each row exactly what a one-row step gives it. The numerics differ from torch's kernel
 (bf16 activations there, 8-bit here): output quality against fp32 is measured in docs/ENGINE.md.
@@ -46,7 +50,7 @@ from .. import limits
 GROUP = 32
 TILE = 8  # outputs per tile
 TILE_BYTES = 160  # per tile and block: 128 bytes of codes, 8 fp16 d, 8 fp16 m
-VERSION = 1  # lowbit.c's LB_VERSION
+VERSION = 2  # lowbit.c's LB_VERSION
 SOURCE = Path(__file__).with_name("lowbit.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")
 NEEDS = ("avx2", "fma", "f16c")
@@ -168,6 +172,10 @@ def _load() -> tuple:
     L = ctypes.c_long
     lib.lowbit_attention.argtypes = [p, L, i, i, i, i, p, p, L, i, i, ctypes.c_float, p, i]
     lib.lowbit_attention.restype = ctypes.c_int
+    lib.lowbit_add_rmsnorm.argtypes = [p, p, p, p, i, i, ctypes.c_float]
+    lib.lowbit_add_rmsnorm.restype = ctypes.c_int
+    lib.lowbit_swiglu.argtypes = [p, i, i, p]
+    lib.lowbit_swiglu.restype = ctypes.c_int
     return lib, why
 
 
@@ -295,6 +303,38 @@ def attention(qk: torch.Tensor, nh: int, kc: torch.Tensor, vc: torch.Tensor, T: 
     if lib is None:
         raise RuntimeError(f"the low-bit kernel is not available here: {status().reason}")
     return attention_into(lib, qk, nh, kc, vc, T)
+
+
+# ----------------------------------------------------------------------------- the glue between the GEMMs
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous()
+
+
+def add_rmsnorm(lib, x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (n, H) fp32 += y (n, H) in place (y None: no add); returns RMSNorm(x) * w (n, H), each row alone
+    (``lowbit_add_rmsnorm``): one call for the residual add and the norm that torch spends about eight ops on."""
+    n, H = x.shape
+    if not (_plain(x) and (y is None or (_plain(y) and y.shape == x.shape)) and w.dtype == torch.float32
+            and w.is_contiguous() and w.numel() == H):
+        raise ValueError(f"low-bit add_rmsnorm wants contiguous fp32 x (n, H), y like x and w (H,); got {tuple(x.shape)}, "
+                         f"{None if y is None else (tuple(y.shape), y.dtype)}, {tuple(w.shape)} {w.dtype}")
+    h = torch.empty_like(x)
+    if lib.lowbit_add_rmsnorm(x.data_ptr(), None if y is None else y.data_ptr(), w.data_ptr(), h.data_ptr(), n, H, eps) != 0:
+        raise ValueError(f"low-bit add_rmsnorm refused n {n}, H {H} (H must be a multiple of 8)")
+    return h
+
+
+def swiglu(lib, gu: torch.Tensor) -> torch.Tensor:
+    """gu (n, 2I) fp32 (the fused gate | up GEMM's output) -> silu(gate) * up (n, I), each row alone."""
+    if not _plain(gu) or gu.shape[1] % 2:
+        raise ValueError(f"low-bit swiglu wants contiguous fp32 (n, 2I); got {tuple(gu.shape)} {gu.dtype}")
+    n, I2 = gu.shape
+    out = torch.empty(n, I2 // 2, dtype=torch.float32)
+    if lib.lowbit_swiglu(gu.data_ptr(), n, I2 // 2, out.data_ptr()) != 0:
+        raise ValueError(f"low-bit swiglu refused n {n}, I {I2 // 2} (I must be a multiple of 8)")
+    return out
 
 
 # ----------------------------------------------------------------------------- platform check

@@ -368,7 +368,10 @@ class Target:
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
             mask = mask.repeat(self.arch.num_attention_heads // self.arch.num_key_value_heads, 1)  # one row per stacked query head
         feats = {}
-        for i, fl in enumerate(self._fast_layers):
+        lib = lowbit.library() if w4 is not None and w4.kernel == "lowbit" and x.dtype == torch.float32 else None
+        if lib is not None:  # the low-bit engine: its glue row by row in C too (residual add + norm, SwiGLU)
+            x = self._layers_lowbit(lib, x.contiguous(), w4, cache, T, rot, feature_layers, feats)
+        for i, fl in enumerate(self._fast_layers if lib is None else ()):
             q4 = w4.layers[i] if w4 is not None else _NO_INT4
             h = F.rms_norm(x, H, fl.ln1, eps)
             x = x + self._attention(fl, h, cache, i, T, rot, mask, plan, q4)
@@ -387,7 +390,10 @@ class Target:
                 feats[i] = x
         cache.length = T + n
         with record_function(LM_HEAD):
-            h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
+            if lib is not None:
+                h = lowbit.add_rmsnorm(lib, x[n - n_logits :], None, self.final_norm.weight, eps)
+            else:
+                h = F.rms_norm(x[n - n_logits :], H, self.final_norm.weight, eps)
             if w4 is not None and w4.head is not None:
                 logits = w4.head(h)  # (n_logits, V) fp32 (lowbit) or bf16 (torch's kernel)
             else:
@@ -395,6 +401,26 @@ class Target:
                 logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan.onednn())  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
+
+    def _layers_lowbit(self, lib, x: torch.Tensor, w4, cache: StaticKV, T: int, rot, feature_layers: tuple, feats: dict) -> torch.Tensor:
+        """The decoder layers on the low-bit kernel: x (n, H) fp32 embeddings -> the residual stream after the last layer.
+        Each residual add and the norm after it are one call (``lowbit.add_rmsnorm``, x updated in place), the SwiGLU
+        product another (``lowbit.swiglu``); every row computed alone, as the GEMMs and the attention compute it."""
+        eps = self.arch.rms_norm_eps
+        pending = None  # the last sublayer's output, not yet added to x
+        for i, fl in enumerate(self._fast_layers):
+            q4 = w4.layers[i]
+            h = lowbit.add_rmsnorm(lib, x, pending, fl.ln1, eps)
+            a = self._attention(fl, h, cache, i, T, rot, LOWBIT_ATTN, None, q4)
+            h = lowbit.add_rmsnorm(lib, x, a, fl.ln2, eps)
+            pending = q4["down"](lowbit.swiglu(lib, q4["gate_up"](h)))
+            if i in feature_layers:
+                x.add_(pending)
+                pending = None
+                feats[i] = x.clone()
+        if pending is not None:
+            x.add_(pending)
+        return x
 
     def _attention_groups(self, T: int, n: int) -> list:
         """The int4 engine's attention plan on torch's kernel, for a forward of n rows at positions T..T+n-1:
