@@ -230,6 +230,40 @@ def test_real_bundle_verify_rows_are_one_row_steps_bitwise(smollm):
 
 
 @pytest.mark.slow
+def test_real_bundle_layer_stack_is_the_per_op_path_bitwise(smollm):
+    """The layers in one C call (``lowbit.LayerStack``) compute what the same kernels called op by op from Python
+    compute, bit for bit: logits, DFlash's feature layers and every K / V written, over a prompt and a verify."""
+    t = smollm.target
+    seq = torch.randint(3, t.arch.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
+    with engine(t, "int4"), torch.inference_mode():
+        outs = []
+        for use_stack in (True, False):
+            c = t.new_cache()
+            if c.int4 is None or c.int4.kernel != "lowbit":
+                pytest.skip(f"the int4 engine runs {t.int4_info().get('kernel', 'no kernel')} here")
+            stack = t._lowbit_stack(c.int4)
+            assert stack is not None  # SmolLM2 (Llama layers, no biases) runs as one stack
+            t._stack = (c.int4, stack if use_stack else None)
+            try:
+                o1 = t.forward(c, seq[:80], 80, (1, 8, 14))
+                o2 = t.verify(c, seq[80:88], (1, 8, 14))
+            finally:
+                t._stack = None
+            outs.append((o1.logits, o1.feats, o2.logits, o2.feats, [x[:, :, :88].clone() for x in (*c.k, *c.v)]))
+    (a, b) = outs
+    for x, y in zip(a[:4], b[:4]):
+        assert torch.equal(x, y)
+    assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+
+
+@needs_kernel
+def test_layer_stack_refuses_what_it_cannot_run():
+    lin = lowbit.LowbitLinear.from_codes(random_codes(16, 64))
+    with pytest.raises(ValueError, match="is not a low-bit weight of"):
+        lowbit.LayerStack([{"qkv": lin, "o": lin, "gate_up": lin, "down": lin}], [torch.ones(64)], [torch.ones(64)], 64, 2, 1, 32, 64, 1e-5)
+
+
+@pytest.mark.slow
 def test_real_bundle_packed_weights_are_the_ggufs(smollm):
     """The low-bit kernel multiplies by the GGUF's own dequantised values (fp16 d and m exactly, no bf16)."""
     from gguf import GGUFReader, quants

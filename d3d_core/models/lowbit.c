@@ -364,3 +364,67 @@ int lowbit_swiglu(const float *gu, int n, int I, float *out) {
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------------------
+ * A Llama-style target's decoder layers in one call (the int4 engine's forward without Python between the kernels):
+ * per layer  h = RMSNorm(x += pending) ; qkv = h Wqkv^T ; RoPE on q | k (pairs interleaved, as the engine permutes
+ * Wqkv's rows) ; K, V into the cache at T.. ; attention ; x += att Wo^T, h = RMSNorm(x) ; pending = SwiGLU(h Wgu^T) Wd^T.
+ * The same functions as the calls above, in the same order, so a row's bits are what the per-op path computes with
+ * this file's RoPE (both row by row). rope: (n, hd/2) (cos, sin) pairs for positions T..T+n-1. feat (nfeat layer
+ * indices, ascending): x after those layers, into feats (n, nfeat * H). 0 on success, negative on refused arguments
+ * or a failed allocation. */
+int lowbit_layers(float *x, int n, int H, int L, int nh, int nkv, int hd, int I, const uint8_t *const *wqkv, const int *kwqkv,
+                  const uint8_t *const *wo, const int *kwo, const uint8_t *const *wgu, const int *kwgu, const uint8_t *const *wd,
+                  const int *kwd, const float *const *ln1, const float *const *ln2, float eps, float *const *kc, float *const *vc,
+                  int T, int cap, const float *rope, float scale, const int *feat, int nfeat, float *feats, int threads) {
+    if (n <= 0 || H <= 0 || H % 32 || L <= 0 || nh <= 0 || nkv <= 0 || nh % nkv || hd <= 0 || hd % 8 || (nh * hd) % 32 || I <= 0 ||
+        I % 32 || T < 0 || T + n > cap || nfeat < 0 || threads <= 0)
+        return -1;
+    const int nq = (nh + 2 * nkv) * hd;
+    float *h = (float *)malloc(sizeof(float) * (size_t)n * H), *qkv = (float *)malloc(sizeof(float) * (size_t)n * nq);
+    float *att = (float *)malloc(sizeof(float) * (size_t)n * nh * hd), *a = (float *)malloc(sizeof(float) * (size_t)n * H);
+    float *gu = (float *)malloc(sizeof(float) * (size_t)n * 2 * I), *act = (float *)malloc(sizeof(float) * (size_t)n * I);
+    float *d = (float *)malloc(sizeof(float) * (size_t)n * H);
+    int rc = -2, f = 0;
+    if (!h || !qkv || !att || !a || !gu || !act || !d) goto done;
+    const float *pending = NULL;
+    for (int l = 0; l < L; l++) {
+        if ((rc = lowbit_add_rmsnorm(x, pending, ln1[l], h, n, H, eps))) goto done;
+        if ((rc = lowbit_gemm(h, n, H, wqkv[l], nq, kwqkv[l], qkv, threads))) goto done;
+        for (int r = 0; r < n; r++) {
+            const float *fr = rope + (size_t)r * hd;
+            for (int j = 0; j < nh + nkv; j++) {  /* (re, im) * (c, s): (re c - im s, re s + im c), each product rounded, as torch */
+                float *p = qkv + (size_t)r * nq + (size_t)j * hd;
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 v = _mm256_loadu_ps(p + i), f = _mm256_loadu_ps(fr + i);
+                    const __m256 t1 = _mm256_mul_ps(_mm256_moveldup_ps(v), f);  /* re c, re s */
+                    const __m256 t2 = _mm256_mul_ps(_mm256_movehdup_ps(v), _mm256_permute_ps(f, 0xB1));  /* im s, im c */
+                    _mm256_storeu_ps(p + i, _mm256_addsub_ps(t1, t2));
+                }
+            }
+            for (int g = 0; g < nkv; g++) {
+                memcpy(kc[l] + (size_t)g * cap * hd + (size_t)(T + r) * hd, qkv + (size_t)r * nq + (size_t)(nh + g) * hd, sizeof(float) * hd);
+                memcpy(vc[l] + (size_t)g * cap * hd + (size_t)(T + r) * hd, qkv + (size_t)r * nq + (size_t)(nh + nkv + g) * hd, sizeof(float) * hd);
+            }
+        }
+        if ((rc = lowbit_attention(qkv, nq, n, nh, nkv, hd, kc[l], vc[l], (long)cap * hd, T, cap, scale, att, threads))) goto done;
+        if ((rc = lowbit_gemm(att, n, nh * hd, wo[l], H, kwo[l], a, threads))) goto done;
+        if ((rc = lowbit_add_rmsnorm(x, a, ln2[l], h, n, H, eps))) goto done;
+        if ((rc = lowbit_gemm(h, n, H, wgu[l], 2 * I, kwgu[l], gu, threads))) goto done;
+        if ((rc = lowbit_swiglu(gu, n, I, act))) goto done;
+        if ((rc = lowbit_gemm(act, n, I, wd[l], H, kwd[l], d, threads))) goto done;
+        pending = d;
+        if (f < nfeat && feat[f] == l) {
+            for (size_t e = 0; e < (size_t)n * H; e++) x[e] += d[e];
+            pending = NULL;
+            for (int r = 0; r < n; r++) memcpy(feats + ((size_t)r * nfeat + f) * H, x + (size_t)r * H, sizeof(float) * H);
+            f++;
+        }
+    }
+    if (pending)
+        for (size_t e = 0; e < (size_t)n * H; e++) x[e] += pending[e];
+    rc = 0;
+done:
+    free(h), free(qkv), free(att), free(a), free(gu), free(act), free(d);
+    return rc;
+}

@@ -57,6 +57,7 @@ NEEDS = ("avx2", "fma", "f16c")
 KERNEL_NAME = "lowbit AVX2 (4-bit codes x 8-bit activations, row-invariant)"
 # profiler labels of the two calls (a ctypes call is no torch op), so the cost breakdown (measure/costs.py) can read them
 GEMM_LABEL, ATTENTION_LABEL = "d3d::lowbit_gemm", "d3d::lowbit_attention"
+LAYERS_LABEL = "d3d::lowbit_layers"  # the whole layer stack in one call (its GEMM / attention shares are not split out)
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded ctypes library; "status": (ok, why)
 
@@ -176,6 +177,9 @@ def _load() -> tuple:
     lib.lowbit_add_rmsnorm.restype = ctypes.c_int
     lib.lowbit_swiglu.argtypes = [p, i, i, p]
     lib.lowbit_swiglu.restype = ctypes.c_int
+    f = ctypes.c_float
+    lib.lowbit_layers.argtypes = [p, i, i, i, i, i, i, i, p, p, p, p, p, p, p, p, p, p, f, p, p, i, i, p, f, p, i, p, i]
+    lib.lowbit_layers.restype = ctypes.c_int
     return lib, why
 
 
@@ -335,6 +339,55 @@ def swiglu(lib, gu: torch.Tensor) -> torch.Tensor:
     if lib.lowbit_swiglu(gu.data_ptr(), n, I2 // 2, out.data_ptr()) != 0:
         raise ValueError(f"low-bit swiglu refused n {n}, I {I2 // 2} (I must be a multiple of 8)")
     return out
+
+
+class LayerStack:
+    """A Llama-style target's decoder layers as one ``lowbit_layers`` call: the packed weights' and norm weights' data
+    pointers gathered once (the tensors stay owned by the int4 weights and the model). ``run`` does every layer of a
+    forward of n rows with no Python between the kernels (the per-op path's ~12 calls a layer cost about a quarter
+    of a one-row step here, measured in docs/ENGINE.md)."""
+
+    def __init__(self, layers: list, ln1: list, ln2: list, H: int, nh: int, nkv: int, hd: int, I: int, eps: float):
+        nq = (nh + 2 * nkv) * hd
+        want = {"qkv": (nq, H), "o": (H, nh * hd), "gate_up": (2 * I, H), "down": (H, I)}
+        for i, q4 in enumerate(layers):
+            for key, (n, k) in want.items():
+                lin = q4.get(key)
+                if not isinstance(lin, LowbitLinear) or (lin.n, lin.k) != (n, k):
+                    raise ValueError(f"layer {i}'s {key} is not a low-bit weight of {n} x {k}")
+        for w in (*ln1, *ln2):
+            if w.dtype != torch.float32 or not w.is_contiguous() or w.numel() != H:
+                raise ValueError(f"the layer stack wants contiguous fp32 norm weights of {H}")
+        self.L, self.H, self.nh, self.nkv, self.hd, self.I, self.eps = len(layers), H, nh, nkv, hd, I, eps
+        self._keep = (layers, ln1, ln2)
+        ptrs = lambda ts: np.array([t.data_ptr() for t in ts], dtype=np.uint64)  # noqa: E731
+        kws = lambda key: np.array([q4[key].k * q4[key].planes for q4 in layers], dtype=np.int32)  # noqa: E731
+        self.w = {key: ptrs([q4[key].packed for q4 in layers]) for key in want}
+        self.kw = {key: kws(key) for key in want}
+        self.ln1, self.ln2 = ptrs(ln1), ptrs(ln2)
+
+    def run(self, lib, x: torch.Tensor, kc: list, vc: list, T: int, rope: torch.Tensor, scale: float, feat: tuple = ()) -> Optional[torch.Tensor]:
+        """x (n, H) fp32 contiguous, updated in place to the residual stream after the last layer; kc / vc: the cache's
+        per-layer (1, nkv, capacity, hd) fp32 tensors (keys and values written at T..T+n-1); rope (n, hd/2, 2) fp32
+        (cos, sin) for those positions. Returns x after each layer of ``feat`` as (n, len(feat) * H), or None."""
+        n, cap = x.shape[0], kc[0].shape[2]
+        if not (_plain(x) and x.shape[1] == self.H and rope.dtype == torch.float32 and rope.is_contiguous()
+                and rope.numel() == n * self.hd and len(kc) == len(vc) == self.L):
+            raise ValueError("the layer stack wants x (n, H) fp32, rope (n, hd/2, 2) fp32 and one K / V tensor per layer")
+        kp = np.array([t.data_ptr() for t in kc], dtype=np.uint64)
+        vp = np.array([t.data_ptr() for t in vc], dtype=np.uint64)
+        fl = np.array(sorted(feat) or [0], dtype=np.int32)
+        feats = torch.empty(n, len(feat) * self.H, dtype=torch.float32) if feat else None
+        a = lambda arr: arr.ctypes.data  # noqa: E731
+        with _label(LAYERS_LABEL):
+            rc = lib.lowbit_layers(x.data_ptr(), n, self.H, self.L, self.nh, self.nkv, self.hd, self.I,
+                                   a(self.w["qkv"]), a(self.kw["qkv"]), a(self.w["o"]), a(self.kw["o"]), a(self.w["gate_up"]),
+                                   a(self.kw["gate_up"]), a(self.w["down"]), a(self.kw["down"]), a(self.ln1), a(self.ln2), self.eps,
+                                   a(kp), a(vp), T, cap, rope.data_ptr(), scale, a(fl), len(feat),
+                                   None if feats is None else feats.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the low-bit layer stack refused n {n}, T {T}, capacity {cap} (code {rc})")
+        return feats
 
 
 # ----------------------------------------------------------------------------- platform check

@@ -368,9 +368,17 @@ class Target:
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
             mask = mask.repeat(self.arch.num_attention_heads // self.arch.num_key_value_heads, 1)  # one row per stacked query head
         feats = {}
-        lib = lowbit.library() if w4 is not None and w4.kernel == "lowbit" and x.dtype == torch.float32 else None
-        if lib is not None:  # the low-bit engine: its glue row by row in C too (residual add + norm, SwiGLU)
-            x = self._layers_lowbit(lib, x.contiguous(), w4, cache, T, rot, feature_layers, feats)
+        # the low-bit engine's decode-sized forwards (each row attending alone): the glue in C too. A longer prefill
+        # keeps SDPA over a causal mask (its rows are computed once, so they need no row invariance)
+        lib = lowbit.library() if groups is LOWBIT_ATTN and x.dtype == torch.float32 else None
+        if lib is not None:  # the low-bit engine: its glue row by row in C too (residual add + norm, SwiGLU, RoPE)
+            stack = self._lowbit_stack(w4)
+            if stack is not None and not torch.autograd.profiler._is_profiler_enabled:
+                x = x.contiguous()
+                f = stack.run(lib, x, cache.k, cache.v, T, self._rope_pairs[T : T + n], self.arch.head_dim**-0.5, tuple(feature_layers))
+                feats.update({i: f[:, j * x.shape[1] : (j + 1) * x.shape[1]] for j, i in enumerate(sorted(feature_layers))})
+            else:  # op by op (Qwen3's q / k norms; and under a profiler, so the cost breakdown can time each kernel)
+                x = self._layers_lowbit(lib, x.contiguous(), w4, cache, T, rot, feature_layers, feats)
         for i, fl in enumerate(self._fast_layers if lib is None else ()):
             q4 = w4.layers[i] if w4 is not None else _NO_INT4
             h = F.rms_norm(x, H, fl.ln1, eps)
@@ -401,6 +409,25 @@ class Target:
                 logits = fastops.packed_linear(self.shared.lm_head, "w", [self.shared.lm_head.weight], [None], h, plan=plan.onednn())  # (n_logits, V)
         f = torch.cat([feats[l] for l in feature_layers], dim=-1)[None] if feature_layers else None
         return TargetOutput(logits.float(), f)
+
+    def _lowbit_stack(self, w4) -> Optional["lowbit.LayerStack"]:
+        """The layers as one ``lowbit.LayerStack`` call (built once per int4 weights), or None where this target's layers
+        need more than it does (Qwen3's q / k norms, biases)."""
+        got = getattr(self, "_stack", None)
+        if got is not None and got[0] is w4:
+            return got[1]
+        stack = None
+        a = self.arch
+        if all(qn is None for qn in self._qk_norm) and not any(l.self_attn.q_proj.bias is not None for l in self.layers):
+            try:
+                stack = lowbit.LayerStack(w4.layers, [fl.ln1 for fl in self._fast_layers], [fl.ln2 for fl in self._fast_layers],
+                                          a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.intermediate_size,
+                                          a.rms_norm_eps)
+            except ValueError:
+                stack = None
+        self._rope_pairs = torch.view_as_real(self._freqs).contiguous()  # (P, hd/2, 2) (cos, sin)
+        self._stack = (w4, stack)
+        return stack
 
     def _layers_lowbit(self, lib, x: torch.Tensor, w4, cache: StaticKV, T: int, rot, feature_layers: tuple, feats: dict) -> torch.Tensor:
         """The decoder layers on the low-bit kernel: x (n, H) fp32 embeddings -> the residual stream after the last layer.
