@@ -312,7 +312,8 @@ def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFra
         ("τ: tokens per round", lambda e: f"{e.tau:.2f}"),
         ("T_step: what ar paid per token (ms)", lambda e: ms(e.t_step_ms)),
         ("ar forward: one ar step's forward (ms)", lambda e: ms(e.ar_forward_ms)),
-        ("T_verify(B): one verify of B tokens (ms; ar: its one-token step)", lambda e: ms(e.t_verify_ms)),
+        ("T_verify(B): one verify of B tokens (ms)",  # ar verifies nothing: its entry is its own one-token step
+         lambda e: f"{ms(e.t_verify_ms)} (its step, B = 1)" if e.mode == "ar" and e.t_verify_ms is not None else ms(e.t_verify_ms)),
         ("T_draft: one draft (ms)", lambda e: ms(e.t_draft_ms)),
         ("T_packed: one packed pass (ms)", lambda e: ms(e.t_packed_ms)),
         ("hit rate", lambda e: "–" if e.hit_rate is None else f"{e.hit_rate:.0%}"),

@@ -56,9 +56,18 @@ EXAMPLES = [
 ]
 # what the chips' τ counts (a lesson race runs to the end of its answer, so it reads another τ)
 EXAMPLES_LABEL = "Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race reads another τ)"
-ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks, the fastest ar here (the fair baseline; ⚖ fair race, the API's default). "
-               "fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Lossless "
-               "against ar on the same engine; the status line above the tabs names the int4 kernel (“int4 GEMM: …”).")
+ENGINE_INFO = ("int4: the GGUF's 4-bit blocks, this app's fastest ar (⚖ fair race; after an int4 race the Status line names "
+               "its kernel, “int4 GEMM: …”). fp32: the same weights dequantised, a slower ar that leaves speculation more to "
+               "win (the lesson).")
+# the first screen: speculative decoding in plain words before any of the app's own terms, then the four modes, each
+# named once with what sets it apart; DFlash and D3D are papers' names (How it works › Words says which)
+HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast *drafter* model guesses the next few tokens, "
+          "and the big *target* model checks all the guesses in one pass and keeps those it would have written itself — so the "
+          "output is identical to plain decoding (**ar**: one target pass per token), from fewer target passes. Raced here "
+          "against `ar`: **dflash** (a DFlash-style drafter that reads the target's internal states, so it waits for every "
+          "check) and the standalone **D3D** drafter, taking turns with the target (**d3d-seq**) or guessing the next block "
+          "while the target checks this one (**d3d-async**). DFlash and D3D are named after their papers (*How it works › "
+          "Words*); identical means on the same engine (the ✓ under each column checks).")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -720,18 +729,28 @@ def upload_traces(file, state):
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
+def run_tag(date, cpu, cores=None, engine=None, commit=None) -> str:
+    """A compact tag for a figure measured in another run than the one on screen: its date and machine (and engine),
+    the commit in its hover text rather than in the sentence."""
+    where = f"{cores}-core {cpu}" if cores and cpu else (cpu or "another machine")
+    text = " · ".join(str(x) for x in (date or "undated", where, engine) if x)
+    tip = f' title="measured at commit {commit}"' if commit else ""
+    return f'<span class="d3d-tag"{tip}>{text}</span>'
+
+
 def recorded_note(meta: dict) -> str:
-    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's)."""
-    where = f"a {meta['cores']}-core {meta['cpu']}" if meta.get("cores") and meta.get("cpu") else (meta.get("cpu") or "another machine")
+    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's), and the
+    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range."""
     spread = (meta.get("spread") or {}).get("d3d-seq")
     seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
     seq = [x for x in seq if x is not None]
-    runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq read "
-                 f"{min(seq):.2f}–{max(seq):.2f}×, within {spread:.0%}); the range beside each speedup: this race's own, "
-                 "10–90 % over resampled rounds") if len(seq) > 1 and spread is not None else ""
-    return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
-            f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
-            "machine's, not this one's. Press **▶ Run race** to race live here.")
+    runs_note = (f": the median of {len(meta['runs'])} identical races (d3d-seq {min(seq):.2f}–{max(seq):.2f}×, within "
+                 f"{spread:.0%}: timing noise between runs; the range after each speedup below is wider: how much it hangs on "
+                 "which rounds this answer had, 10–90 % over its resampled rounds)") if len(seq) > 1 and spread is not None else ""
+    tag = run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
+                  meta.get("commit"))
+    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset{runs_note}. Its times are that "
+            "machine's; **▶ Run race** races here.")
 
 
 def open_recorded(bundle, state):
@@ -752,8 +771,8 @@ def open_recorded(bundle, state):
     state["pieces"] = service.pieces(trs[0].bundle, trs)
     status = recorded_note(meta) + output_check(state)
     load = race_load(trs)
-    if load is not None:
-        status += "\n\n" + load.status()
+    if load is not None:  # a quiet machine is a note on the same line; a busy one a warning of its own
+        status += ("\n\n" if load.busy else " · ") + load.status()
     why = economics_sentences(state)
     if why:
         status += "\n\n" + why
@@ -810,12 +829,7 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="D3D Studio", fill_width=True, delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
         state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
         pstate = gr.State(empty_pruning(), time_to_live=APP_SESSION_TTL_S)
-        gr.Markdown(
-            "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
-            "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
-            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 each prints `ar`'s tokens on the same engine "
-            "(the ✓ under each column checks) — what differs is how many target forwards and how much waiting it takes."
-        )
+        gr.Markdown(HEADER, elem_id="header")
         status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
@@ -843,8 +857,8 @@ def build_demo() -> gr.Blocks:
                                                  "MASK slots (the positions still to be guessed). Higher τ, but a draft reads every layer, "
                                                  "as a verify does: race both and compare.")
                     with gr.Column(scale=2):
-                        bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
-                                             info="a target model and its drafters (smollm2-135m: from its GGUF file, llama.cpp's format)")
+                        bundle = gr.Dropdown(service.bundle_names(), value=home, elem_id="bundle",
+                                             label="Bundle: a target model + its drafters (smollm2-135m: from its GGUF file)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
                                     label=EXAMPLES_LABEL)
@@ -922,8 +936,9 @@ def build_demo() -> gr.Blocks:
                                     elem_id="timeline-next")
                     with gr.Tab("Economics of this run", id="timeline-economics"):
                         gr.Markdown("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it committed "
-                                    "(about one round ÷ τ; a round commits a + 1 tokens — `a` accepted drafts + the bonus — but the last one "
-                                    "commits fewer when the answer ends inside it); a round is a "
+                                    "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
+                                    "the answer's end or the token limit are cut, and τ counts them while the output does not, so per "
+                                    "token is then a little above round ÷ τ); a round is a "
                                     "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
                                     "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
                                     "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import api_message
+from conftest import ROOT, api_message
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,34 @@ def test_the_projection_hit_slider_says_which_measurement_it_starts_at():
 
 def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chip_counts():
     from app import ui
+    from app.tokens import CSS
 
-    assert "status line above the tabs" in ui.ENGINE_INFO and "int4 GEMM" in ui.ENGINE_INFO
+    # the text's name for the line above the tabs is written on it (a label drawn before its first paragraph), and the
+    # int4 kernel is promised only where it is shown: after an int4 race (the status adds "int4 GEMM: …" for int4 only)
+    assert 'content: "Status line' in CSS and "#status .md > p:first-child::before" in CSS
+    assert "after an int4 race the Status line names" in ui.ENGINE_INFO and "int4 GEMM" in ui.ENGINE_INFO
+    src = (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
+    assert 'if engine == "int4":\n        status += f" · int4 GEMM: ' in src
     assert any("lesson · τ ≈" in lab for _, lab in ui.EXAMPLES)
     assert "first 96 new tokens" in ui.EXAMPLES_LABEL  # the chips' τ is not the lesson race's, which runs to the end
+
+
+def test_the_first_screen_says_what_speculative_decoding_is_before_any_jargon():
+    """Issue 46, the eighth reader's 1 and 2: the header's first sentence explains speculative decoding with words of
+    its own (drafter guesses, target checks in one pass, keeps what it would have written, output identical), before
+    any of the app's terms; the four modes follow, DFlash and D3D pointed to; the legend's τ needs no word not yet met."""
+    from app import ui
+    from app.tokens import LEGEND_TAU, legend_html
+
+    h = ui.HEADER
+    first = h.index("Speculative decoding in one sentence")
+    for word in ("drafter", "guesses the next few tokens", "target", "checks all the guesses in one pass",
+                 "keeps those it would have written itself", "identical to plain decoding"):
+        assert h.index(word, first) > first, word
+    for jargon in ("block-diffusion", "round", "bonus", "anchor", "verify", "τ", "hypothes"):
+        assert jargon not in h[:h.index("Raced here")], jargon
+    assert all(m in h for m in ("**ar**", "**dflash**", "**d3d-seq**", "**d3d-async**")) and "How it works › " in h
+    assert "Words" in h and "same engine" in h
+    # τ in one line, with no round/draft/bonus/accepted left undefined
+    assert LEGEND_TAU in legend_html() and "one target pass" in LEGEND_TAU
+    assert not any(w in LEGEND_TAU for w in ("bonus", "accepted", "draft"))

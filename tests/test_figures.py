@@ -430,6 +430,9 @@ def test_economics_table_shows_the_identities_and_short_flags(traces):
         if e.speedup is not None and not e.too_short:
             assert t.loc["speedup vs ar", e.mode] == f"{e.speedup:.2f}×"
     assert t.loc["hit rate", "d3d-async"].endswith("%")
+    # ar verifies no block: its T_verify entry says it is ar's one-token step; a drafting mode's is a plain number
+    verify = t.loc["T_verify(B): one verify of B tokens (ms)"]
+    assert verify["ar"].endswith("(its step, B = 1)") and float(verify["d3d-seq"]) > 0
     flags = t.loc["flags", "d3d-async"]
     assert flags.startswith("⚠ timing noise") and len(flags) < 70  # the cell stays short (no truncated cell)
     clean = [tr for tr in traces if tr.mode != "d3d-async"]
