@@ -790,6 +790,15 @@ CLOCK_TAGS = {  # what a tag in a clock's name means, said only where an offered
 }
 
 
+# the Measured bench table's caption: what its rate columns are shares of (bench.summarize: hit_rate is the mean over
+# prompts of each trace's Stats.hit_rate, hits over the rounds with a packed pass, which a skipped round never has)
+BENCH_TABLE_LABEL = ("Measured (bench command; scroll for the 'average' rows at the end). hit_rate (d3d-async): share of its "
+                     "drafted rounds whose next block one of its guesses had already drafted during the check, per prompt, "
+                     "then averaged; rounds the draft gate skipped make no guesses and do not count. skipped: share of all "
+                     "rounds the gate skipped. Rows marked (verify …, drafting …): the same run with another rule, averaged "
+                     "over the datasets")
+
+
 def hit_slider_label(hit: float, where: str) -> str:
     """The Projections hit-rate slider's label: its starting value (``service.measured_point``) and where it was
     measured (``service.measured_point_source``)."""
@@ -817,7 +826,7 @@ def zerogpu_note() -> str:
     wait_min = -(-APP_QUEUE_MAX // n) * cap / 60
     return (f"On this ZeroGPU Space each race borrows a GPU for at most {cap} s (a visitor without an account has "
             f"{quota_seconds()} s of ZeroGPU a day; a longer request would be refused), so tokens × modes are capped and the "
-            f"status line above the tabs says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
+            f"Status line above the tabs says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
             f"reach about {wait_min:.0f} min. Stop ends the GPU work at its next round.")
 
 
@@ -875,7 +884,7 @@ def build_demo() -> gr.Blocks:
                     with gr.Row():
                         verify = gr.Radio(["adaptive", "full"], value=lesson.PRESETS["lesson"]["verify"], label="Verify plan",
                                           info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
-                                               "full: all B − 1 drafts. verify(k) (in the status line above the tabs, "
+                                               "full: all B − 1 drafts. verify(k) (in the Status line above the tabs, "
                                                "its folded *What each round cost* part) = one target forward over k tokens.")
                         drafting = gr.Radio(["gated", "always"], value=lesson.PRESETS["lesson"]["drafting"], label="Drafting",
                                             info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
@@ -994,8 +1003,7 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(service.bench_sources(home), elem_id="bench-sources")
                         v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
                         b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
-                        b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
-                                               "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
+                        b_table = gr.Dataframe(v_table, label=BENCH_TABLE_LABEL, interactive=False)
                     with gr.Tab("Acceptance and block size", id="bench-acceptance"):
                         with gr.Row():
                             with gr.Column():

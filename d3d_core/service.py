@@ -446,10 +446,12 @@ def _measured_point(bundle_name: str) -> tuple:
     where = "the Measured bench's d3d-async on gsm8k (its table's row)"
     if every:
         hits = [r["hit_rate"] for r in every if r.get("hit_rate") is not None]
+        gated = f", {row['hit_rate']:.3f}" if row and row.get("hit_rate") is not None else ""  # as the table prints it
         row = {"tau": sum(r["tau"] * r["rounds"] for r in every) / sum(r["rounds"] for r in every),
                "hit_rate": sum(hits) / len(hits) if hits else 0.0}
-        where = (f"the Measured bench's d3d-async on gsm8k, drafting every round (the mean over its {len(hits)} prompts; "
-                 "the projection models rounds that all draft)")
+        where = (f"the Measured bench's d3d-async on gsm8k drafting every round, the mean over its {len(hits)} prompts: "
+                 f"per-prompt rows of assets/bench/{bundle_name}.json, not a row of the Measured table (its gsm8k row is the "
+                 f"{dec.get('drafting') or 'main'} run{gated}; its 'drafting always' rows average the datasets) — the projection models rounds that all draft")
     B = int(dec.get("block_size") or 8)
     if not row:
         return 2.0, 0.3, B, "assumed: no bench of d3d-async on gsm8k ships with this bundle"
@@ -518,7 +520,7 @@ def retimed(traces: list, clock: str) -> tuple:
 
 def clock_assumptions(clock: str) -> str:
     if clock in (None, "", MEASURED_CLOCK):
-        return "Span lengths as measured during the run, on the machine that ran it (a recorded race: the machine the status line names), on one clock for both lanes." + gpu_profile_note()
+        return "Span lengths as measured during the run, on the machine that ran it (a recorded race: the machine the Status line names), on one clock for both lanes." + gpu_profile_note()
     p = PRESETS.get(clock)
     if p is None:
         return ""
