@@ -632,7 +632,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
         ))
         # the line a held-out point's bar must clear: 99 % of the full drafter's own held-out τ (calibration τ is higher)
         fig.add_hline(y=0.99 * full_eval, line=dict(color=OLIVE, dash="dot", width=1.5),
-                      annotation_text="99 % of full τ (held-out)", annotation_position="bottom right")
+                      annotation_text="99 % of this drafter's held-out τ", annotation_position="bottom right")
     healed = [p for p in pts if "healed" in p]
     if healed:
         ctl = curve.get("heal_control")
@@ -657,7 +657,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
                 fig.add_hline(y=0.99 * ctl["tau_eval"], line=dict(color=SAND, dash="dot", width=1),
                               annotation_text="99 % of the control (held-out)", annotation_position="bottom right")
     t0 = pts[0]["tau"]
-    fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of full τ (calibration)")
+    fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of this drafter's calibration τ")
     if live is not None:
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name=live[2] if len(live) > 2 else "your selection",
                                  marker=dict(size=14, symbol="star", color="black", line=dict(color="white", width=1))))

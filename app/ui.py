@@ -799,6 +799,16 @@ BENCH_TABLE_LABEL = ("Measured (bench command; scroll for the 'average' rows at 
                      "over the datasets")
 
 
+PRUNING_INTRO = ("Untick drafter layers to skip them: a skipped layer adds nothing, and its input passes on to the next layer "
+                 "unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ is "
+                 "re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the precomputed "
+                 "greedy progression (at each step, drop the layer whose removal costs the least τ). The dashed grey line marks "
+                 "**99 % of this drafter's calibration τ**, the bar a removed layer must stay above (the dotted olive line: the "
+                 "same for its held-out τ). For scale, the D3D preprint (the paper this app's D3D method comes from) kept 99 % "
+                 "with 5 of a **36-layer** drafter's layers removed; an 8-layer drafter has no spare layers (How it works › "
+                 "*What pruning trades* says why).")
+
+
 def hit_slider_label(hit: float, where: str) -> str:
     """The Projections hit-rate slider's label: its starting value (``service.measured_point``) and where it was
     measured (``service.measured_point_source``)."""
@@ -971,13 +981,7 @@ def build_demo() -> gr.Blocks:
                             "size** (a bench sweep). The app shows several τ (this race's, the bench's, offline, calibration, held-out): "
                             "**How it works › Which τ is which** says how each is measured and why they differ.", elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
-                gr.Markdown("Untick drafter layers to skip them: a skipped layer adds nothing, and its input passes on to the next "
-                            "layer unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ "
-                            "is re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the "
-                            "precomputed greedy progression (at each step, drop the layer whose removal costs the least τ), and the "
-                            "dashed grey line 99 % of **this** drafter's full τ: the share the D3D preprint (the paper this app's D3D "
-                            "method comes from) kept while removing 5 of a **36-layer** drafter's layers — a deep drafter's "
-                            "reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
+                gr.Markdown(PRUNING_INTRO, elem_id="pruning-intro")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
                                           "+ trained rank-64 adapters (small weights added to those layers) that act on the MASK "

@@ -318,3 +318,14 @@ def test_the_first_screen_says_what_speculative_decoding_is_before_any_jargon():
     # τ in one line, with no round/draft/bonus/accepted left undefined
     assert LEGEND_TAU in legend_html() and "one target pass" in LEGEND_TAU
     assert not any(w in LEGEND_TAU for w in ("bonus", "accepted", "draft"))
+
+
+def test_the_pruning_tab_says_whose_tau_the_dashed_line_is_99_percent_of():
+    """The eighth reader's 23: the dashed grey line is 99 % of this drafter's calibration τ, said as its own sentence,
+    apart from the preprint's result (which is a reference for scale, not the line)."""
+    from app import ui
+
+    t = ui.PRUNING_INTRO
+    line = t[t.index("The dashed grey line"):]
+    assert line.startswith("The dashed grey line marks **99 % of this drafter's calibration τ**")
+    assert "preprint" not in line[:line.index(". ")] and "preprint" in t

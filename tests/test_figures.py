@@ -166,7 +166,9 @@ def test_pruning_curve_shows_held_out_and_healed_points():
     assert any(abs(s.y0 - 0.99 * 2.62) < 1e-9 for s in f.layout.shapes)
     # and the line a held-out bar must clear is 99 % of the full drafter's held-out τ, not of its calibration τ
     lines = {a.text: s.y0 for a, s in zip(f.layout.annotations, f.layout.shapes)}
-    assert abs(lines["99 % of full τ (held-out)"] - 0.99 * 2.5) < 1e-9 and abs(lines["99 % of full τ (calibration)"] - 0.99 * 3.0) < 1e-9
+    # each says whose τ it is 99 % of: this drafter's (not the preprint's)
+    assert abs(lines["99 % of this drafter's held-out τ"] - 0.99 * 2.5) < 1e-9
+    assert abs(lines["99 % of this drafter's calibration τ"] - 0.99 * 3.0) < 1e-9
     # held-out intervals become error bars in τ units (interval of τ/ref × ref) and enter the hover text
     for p, ci in zip(pts, ([1.0, 1.0], [0.85, 0.91], [0.6, 0.7])):
         p["tau_eval_rel_ci"] = ci
