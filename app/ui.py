@@ -55,7 +55,7 @@ EXAMPLES = [
     ("What are three good habits for learning a new language? Answer briefly.", "chat · τ ≈ 1.2"),
 ]
 # what the chips' τ counts (a lesson race runs to the end of its answer, so it reads another τ)
-EXAMPLES_LABEL = "Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race reads another τ)"
+EXAMPLES_LABEL = "Examples · τ: d3d-seq's over the first 96 new tokens, not this race's (How it works › Which τ is which)"
 ENGINE_INFO = ("int4: the GGUF's 4-bit blocks, this app's fastest ar (⚖ fair race; after an int4 race the Status line names "
                "its kernel, “int4 GEMM: …”). fp32: the same weights dequantised, a slower ar that leaves speculation more to "
                "win (the lesson).")
@@ -729,15 +729,6 @@ def upload_traces(file, state):
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
-def run_tag(date, cpu, cores=None, engine=None, commit=None) -> str:
-    """A compact tag for a figure measured in another run than the one on screen: its date and machine (and engine),
-    the commit in its hover text rather than in the sentence."""
-    where = f"{cores}-core {cpu}" if cores and cpu else (cpu or "another machine")
-    text = " · ".join(str(x) for x in (date or "undated", where, engine) if x)
-    tip = f' title="measured at commit {commit}"' if commit else ""
-    return f'<span class="d3d-tag"{tip}>{text}</span>'
-
-
 def recorded_note(meta: dict) -> str:
     """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's), and the
     two uncertainties a reader sees: the spread of the repeated races and each speedup's own range."""
@@ -747,7 +738,7 @@ def recorded_note(meta: dict) -> str:
     runs_note = (f": the median of {len(meta['runs'])} identical races (d3d-seq {min(seq):.2f}–{max(seq):.2f}×, within "
                  f"{spread:.0%}: timing noise between runs; the range after each speedup below is wider: how much it hangs on "
                  "which rounds this answer had, 10–90 % over its resampled rounds)") if len(seq) > 1 and spread is not None else ""
-    tag = run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
+    tag = service.run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
                   meta.get("commit"))
     return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset{runs_note}. Its times are that "
             "machine's; **▶ Run race** races here.")
@@ -792,7 +783,8 @@ CLOCK_TAGS = {  # what a tag in a clock's name means, said only where an offered
 
 # the Measured bench table's caption: what its rate columns are shares of (bench.summarize: hit_rate is the mean over
 # prompts of each trace's Stats.hit_rate, hits over the rounds with a packed pass, which a skipped round never has)
-BENCH_TABLE_LABEL = ("Measured (bench command; scroll for the 'average' rows at the end). hit_rate (d3d-async): share of its "
+BENCH_TABLE_LABEL = ("Measured (bench command: its own τ and times, not this race's — How it works › Which τ is which; scroll "
+                     "for the 'average' rows at the end). hit_rate (d3d-async): share of its "
                      "drafted rounds whose next block one of its guesses had already drafted during the check, per prompt, "
                      "then averaged; rounds the draft gate skipped make no guesses and do not count. skipped: share of all "
                      "rounds the gate skipped. Rows marked (verify …, drafting …): the same run with another rule, averaged "
@@ -807,6 +799,22 @@ PRUNING_INTRO = ("Untick drafter layers to skip them: a skipped layer adds nothi
                  "same for its held-out τ). For scale, the D3D preprint (the paper this app's D3D method comes from) kept 99 % "
                  "with 5 of a **36-layer** drafter's layers removed; an 8-layer drafter has no spare layers (How it works › "
                  "*What pruning trades* says why).")
+
+
+# the Timeline's Economics of this run: what its bars, column lines and table mean
+ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it printed "
+                  "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
+                  "the answer's end or the token limit are cut, and τ counts them while the output does not, so per "
+                  "token is then a little above round ÷ τ); a round is a "
+                  "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
+                  "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
+                  "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
+                  "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
+                  "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
+                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
+                  "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
+                  "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
+                  "all H hypotheses in one forward, run during verify).")
 
 
 def hit_slider_label(hit: float, where: str) -> str:
@@ -954,19 +962,7 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown("Next: **Economics of this run** (the tab beside this one) splits what one output token cost.",
                                     elem_id="timeline-next")
                     with gr.Tab("Economics of this run", id="timeline-economics"):
-                        gr.Markdown("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it committed "
-                                    "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
-                                    "the answer's end or the token limit are cut, and τ counts them while the output does not, so per "
-                                    "token is then a little above round ÷ τ); a round is a "
-                                    "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
-                                    "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
-                                    "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
-                                    "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
-                                    "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
-                                    "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
-                                    "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
-                                    "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
-                                    "all H hypotheses in one forward, run during verify).")
+                        gr.Markdown(ECONOMICS_NOTE, elem_id="economics-note")
                         econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
                         econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
                                                   interactive=False, wrap=True)

@@ -552,19 +552,28 @@ def cost_breakdown(bundle_name: str, engine: str = "fast") -> Optional[dict]:
     return _asset_json("bench", f"{bundle_name}-costs{'-int4' if engine == 'int4' else ''}.json")
 
 
+def run_tag(date, cpu, cores=None, engine=None, commit=None) -> str:
+    """A compact tag for figures measured in another run than the one on screen: its date and machine (and engine), the
+    commit in its hover text rather than in the sentence (an HTML span the app's CSS styles as ``.d3d-tag``)."""
+    where = f"{cores}-core {cpu}" if cores and cpu else (cpu or "an unrecorded CPU")
+    text = " · ".join(str(x) for x in (date, where, engine) if x)
+    tip = f' title="measured at commit {commit}"' if commit else ""
+    return f'<span class="d3d-tag"{tip}>{text}</span>'
+
+
 def provenance(result: Optional[dict]) -> str:
-    """One line saying where and how a shipped measurement was taken, with the quietness warning."""
+    """One line saying where and how a shipped measurement was taken (its run's date, machine and engine as a
+    ``run_tag``), with the quietness warning."""
     if not result:
         return ""
     m = result.get("machine_info") or result.get("machine") or {}
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
     eng = {"fast": "fp32"}.get(eng, eng)
-    line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}**"
-    if m.get("date"):  # recorded by runs since 2026-12-07; older files name theirs in a note or in docs/RESULTS.md
-        line += f" on {m['date'][:10]}" + (f" at commit {m['commit']}" if m.get("commit") else "")
-    line += f" ({m.get('torch_threads', '?')} threads"
-    line += f", {eng} engine)" if eng else ", engine not recorded)"
+    # the date is recorded by runs since 2026-12-07; older files name theirs in a note or in docs/RESULTS.md
+    line = "Measured in its own run " + run_tag((m.get("date") or "")[:10] or None, m.get("cpu"), None,
+                                                f"{eng} engine" if eng else "engine not recorded", m.get("commit"))
+    line += f" ({m.get('torch_threads', '?')} threads)"
     c = result.get("config") or {}
     if c.get("datasets") and c.get("n"):  # the run's settings: two runs of the same quantity differ by these too
         ds = c["datasets"] if isinstance(c["datasets"], str) else ",".join(c["datasets"])

@@ -297,6 +297,7 @@ def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chi
     assert 'if engine == "int4":\n        status += f" · int4 GEMM: ' in src
     assert any("lesson · τ ≈" in lab for _, lab in ui.EXAMPLES)
     assert "first 96 new tokens" in ui.EXAMPLES_LABEL  # the chips' τ is not the lesson race's, which runs to the end
+    assert "not this race's (How it works › Which τ is which)" in ui.EXAMPLES_LABEL  # the first τ not the race's points there
 
 
 def test_the_first_screen_says_what_speculative_decoding_is_before_any_jargon():
@@ -329,3 +330,14 @@ def test_the_pruning_tab_says_whose_tau_the_dashed_line_is_99_percent_of():
     line = t[t.index("The dashed grey line"):]
     assert line.startswith("The dashed grey line marks **99 % of this drafter's calibration τ**")
     assert "preprint" not in line[:line.index(". ")] and "preprint" in t
+
+
+def test_the_economics_note_says_the_last_rounds_cut_tokens_make_per_token_exceed_round_over_tau():
+    """The eighth reader's 13: τ counts the last round whole, the output only up to the stop; said where per token and
+    round ÷ τ are compared, and the Benchmarks table points to the τ it is not (this race's)."""
+    from app import ui
+
+    n = ui.ECONOMICS_NOTE
+    assert "decode time ÷ the tokens it printed" in n and "past the answer's end or the token limit are cut" in n
+    assert "a little above round ÷ τ" in n and "commits fewer" not in n
+    assert "Which τ is which" in ui.BENCH_TABLE_LABEL

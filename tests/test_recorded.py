@@ -58,7 +58,7 @@ def test_the_recorded_race_opens_in_every_tab(toy_record, tmp_path, monkeypatch)
     meta = toy_record["recorded"]
     assert status.startswith("📼 **Recorded race**") and meta["date"] in status
     # a compact tag (date, machine, engine) instead of a commit in the sentence; the commit is in the tag's hover
-    tag = ui.run_tag(meta["date"], meta["cpu"], meta.get("cores"), f"{meta['engine']} engine" if meta.get("engine") else None,
+    tag = service.run_tag(meta["date"], meta["cpu"], meta.get("cores"), f"{meta['engine']} engine" if meta.get("engine") else None,
                      meta["commit"])
     assert tag in status and f'title="measured at commit {meta["commit"]}"' in tag and meta["date"] in tag
     assert status.count(meta["commit"]) == 1
