@@ -78,8 +78,8 @@ def legend_html() -> str:
         '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
         "</div>"
         f'<div class="d3d-legend d3d-counters"><span>{LEGEND_TAU}</span>'
-        f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async): rounds whose next block was '
-        "drafted during the check; “–”: none</span><span>hover a term for more</span></div>"
+        f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async): next block drafted during '
+        "the check; “–”: no guessing ahead</span><span>hover a term for more</span></div>"
     )
 
 
