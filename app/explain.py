@@ -318,10 +318,11 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
         eng = {"fast": "fp32"}.get(str((whole.get("config") or {}).get("engine")), (whole.get("config") or {}).get("engine"))
         bench = (f" In its bench (the Pruning tab with `d3d-deep` picked, *Raced*: {m.get('cpu', 'an unrecorded CPU')}, {eng} engine"
                  + (f", {m['date'][:10]}" if m.get("date") else "") + f") `d3d-seq` with it reached τ **{seq['tau']:.2f}** "
-                 f"pooled over its prompts and ran at **{seq['speedup']:.2f}×** `ar`, `d3d-async` {asy['speedup']:.2f}×")
+                 f"(the mean over its datasets) and ran at **{seq['speedup']:.2f}×** `ar`, `d3d-async` {asy['speedup']:.2f}×")
         eight = _avg(engine_bench, "d3d-seq") if engine_bench else None
         if eight:
-            bench += f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that engine's bench"
+            bench += (f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that "
+                      "engine's bench (also the mean over its datasets)")
         draft = _span(whole, "d3d-seq", "draft")
         bench += (". Its τ counts the rounds the draft gate left undrafted as 1" + (", so it sits below 2 although every drafted "
                   "round keeps at least 2 tokens" if seq["tau"] < 2 else "") + (f"; and a draft in that bench took {draft:.0f} ms, more than the probe's one "
@@ -412,7 +413,8 @@ def pruning_story(shallow: dict | None, deep: dict | None, deep_benches: list = 
         out.append(f"**Raced** (the Pruning tab with `d3d-deep` picked, its *Raced* table: without layer(s) {raced[0][1]['skip']}): {said}. "
                    "In `d3d-async` the removed layers also leave the packed pass, which runs beside the verify on the same "
                    "cores: a shorter pass slows the verify for less time, so the overlap gains what the draft saved plus some of "
-                   "the verify's slowdown, while the lower τ costs every round.")
+                   "the verify's slowdown, while the lower τ costs every round."
+                   + "".join(" " + w for w in (gate_words(f, r) for f, r in raced if r["mode"] == "d3d-seq") if w))
     return "\n\n".join(out)
 
 
@@ -438,10 +440,27 @@ def deep_race(benches: list) -> list:
             row = _avg(b, mode)
             if not row:
                 continue
+            rs = [r for r in b.get("rows") or [] if r.get("mode") == mode and r.get("rounds") and r.get("tau") is not None]
+            n, k = sum(r["rounds"] for r in rs), sum(r.get("skipped_rounds") or 0 for r in rs)
+            # a skipped round commits its bonus alone (a + 1 = 1): τ per drafted round leaves those rounds out
+            drafted = (sum(r["tau"] * r["rounds"] for r in rs) - k) / (n - k) if n > k else None
             out.append({"skip": skip, "mode": mode, "tau": row["tau"], "speedup": row["speedup"],
                         "lossless": row["lossless_rate"], "draft_ms": _span(b, mode, "draft"),
-                        "verify_ms": _span(b, mode, "verify"), "step_ms": step})
+                        "verify_ms": _span(b, mode, "verify"), "step_ms": step,
+                        "skipped": k / n if n else None, "tau_drafted": drafted})
     return out
+
+
+def gate_words(full: dict, pruned: dict) -> str:
+    """Why removing layers cut the deep drafter's τ more than its speed, from two ``deep_race`` rows of one mode: the
+    draft gate skipped more rounds (each an ar step that counts 1 in τ), while τ per drafted round fell less. ""
+    without the per-prompt rows to read that from."""
+    if full.get("skipped") is None or pruned.get("skipped") is None or not full.get("tau_drafted") or not pruned.get("tau_drafted"):
+        return ""
+    return (f"Why τ fell more than the speed: the draft gate skipped {full['skipped']:.0%} → {pruned['skipped']:.0%} of "
+            f"`{full['mode']}`'s rounds (all prompts pooled), and τ counts each skipped round as 1 (it is a plain `ar` step), "
+            f"while per drafted round τ went only {full['tau_drafted']:.2f} → {pruned['tau_drafted']:.2f}; with most rounds plain steps the "
+            "speed stays near `ar`'s either way, and each draft, catching up on the rounds skipped before it, saved little.")
 
 
 def deep_race_text(benches: list, provenance: str = "") -> str:
@@ -453,7 +472,7 @@ def deep_race_text(benches: list, provenance: str = "") -> str:
     def ms(x):
         return f"{x:.1f}" if x is not None else "–"
     lines = ["**Raced, whole and pruned** (`bench --d3d-drafter d3d-deep [--skip-layers …]`; speed against `ar` in the same run, "
-             "pooled over its prompts; *same as ar*: share of answers identical to ar's)",
+             "the mean of its datasets' rows; *same as ar*: share of answers identical to ar's)",
              "", "| d3d-deep | mode | τ | speed vs ar | draft ms | verify ms | same as ar |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         name = f"without L{r['skip'].replace(',', ', L')}" if r["skip"] else "all 30 layers"
@@ -474,6 +493,9 @@ def deep_race_text(benches: list, provenance: str = "") -> str:
         lines += ["", "Removing the layers: " + "; ".join(said) + ". *draft ms* is a bench draft's mean: behind the draft "
                   "gate a draft first runs every token committed since the drafter's last draft, so it grows with the rounds "
                   "the gate skipped, and a few % between two runs is noise; τ counts skipped rounds as 1."]
+        why = next((w for w in (gate_words(full[r["mode"]], r) for r in pruned if r["mode"] == "d3d-seq") if w), "")
+        if why:
+            lines += ["", why]
     if provenance:
         lines += ["", provenance]
     return "\n".join(lines)

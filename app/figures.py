@@ -312,7 +312,8 @@ def economics_table(traces: list, projected: Optional[str] = None) -> pd.DataFra
         ("τ: tokens per round", lambda e: f"{e.tau:.2f}"),
         ("T_step: what ar paid per token (ms)", lambda e: ms(e.t_step_ms)),
         ("ar forward: one ar step's forward (ms)", lambda e: ms(e.ar_forward_ms)),
-        ("T_verify(B): one verify of B tokens (ms; ar: its one-token step)", lambda e: ms(e.t_verify_ms)),
+        ("T_verify(B): one verify of B tokens (ms)",  # ar verifies nothing: its entry is its own one-token step
+         lambda e: f"{ms(e.t_verify_ms)} (its step, B = 1)" if e.mode == "ar" and e.t_verify_ms is not None else ms(e.t_verify_ms)),
         ("T_draft: one draft (ms)", lambda e: ms(e.t_draft_ms)),
         ("T_packed: one packed pass (ms)", lambda e: ms(e.t_packed_ms)),
         ("hit rate", lambda e: "–" if e.hit_rate is None else f"{e.hit_rate:.0%}"),
@@ -631,7 +632,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
         ))
         # the line a held-out point's bar must clear: 99 % of the full drafter's own held-out τ (calibration τ is higher)
         fig.add_hline(y=0.99 * full_eval, line=dict(color=OLIVE, dash="dot", width=1.5),
-                      annotation_text="99 % of full τ (held-out)", annotation_position="bottom right")
+                      annotation_text="99 % of this drafter's held-out τ", annotation_position="bottom right")
     healed = [p for p in pts if "healed" in p]
     if healed:
         ctl = curve.get("heal_control")
@@ -656,7 +657,7 @@ def pruning_curve_figure(curve: Optional[dict], live: Optional[tuple] = None, la
                 fig.add_hline(y=0.99 * ctl["tau_eval"], line=dict(color=SAND, dash="dot", width=1),
                               annotation_text="99 % of the control (held-out)", annotation_position="bottom right")
     t0 = pts[0]["tau"]
-    fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of full τ (calibration)")
+    fig.add_hline(y=0.99 * t0, line=dict(color=GREY, dash="dash"), annotation_text="99 % of this drafter's calibration τ")
     if live is not None:
         fig.add_trace(go.Scatter(x=[live[0]], y=[live[1]], mode="markers", name=live[2] if len(live) > 2 else "your selection",
                                  marker=dict(size=14, symbol="star", color="black", line=dict(color="white", width=1))))

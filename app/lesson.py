@@ -53,6 +53,10 @@ def round_sentence(r: Round, pieces: dict, mode: str = "") -> str:
                  f"{_show(pieces, r.draft_ids[a:a + 1])}, differs from the target's {_show(pieces, [r.bonus])} (vermillion: the first mismatch), so it and "
                  f"everything after it are thrown away. **4. Bonus.** The target's own token there, {_show(pieces, [r.bonus])}, "
                  f"is kept. ")
+    after = r.target_ids[a + 1:] if a < n else []
+    if after:  # the target's tokens past the bonus: predictions after a rejected guess, not after the kept text
+        said += (f"(The target's tokens after that, {_show(pieces, after)}, continue the rejected guess, not the kept text, "
+                 "so they are discarded too and can read as nonsense.) ")
     k = len(r.committed)
     said += (f"**Result:** {k} token{'s' if k != 1 else ''} committed, {_show(pieces, r.committed)}, for one target forward "
              f"(ar needs {k}). The output is exactly what ar prints: every kept token is one the target chose.")

@@ -39,6 +39,12 @@ CSS = """
 .d3d-legend {font-family: system-ui, sans-serif; font-size: 13px; display: flex; flex-wrap: wrap; gap: 14px; align-items: center;}
 .d3d-counters {margin-top: 4px; color: #333;}
 .d3d-done {font-family: system-ui, sans-serif; font-size: 13px; color: #333; margin-top: 6px;}
+/* a figure from another run than the one on screen: its date and machine, compact (the commit on hover) */
+.d3d-tag {font-size: 0.9em; background: #f1f1f1; border: 1px solid #ccc; border-radius: 4px; padding: 0 5px; color: #333;
+          white-space: nowrap; cursor: help;}
+/* the line above the tabs that the app's texts call the Status line, labelled so it can be found */
+#status .md > p:first-child::before {content: "Status line ▸ "; font-weight: 700;
+          font-size: 0.85em; color: #0072B2; letter-spacing: 0.02em;}
 .d3d-badge {font-family: system-ui, sans-serif; font-size: 13px; font-weight: 600; margin-top: 6px; cursor: help;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
 .info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
@@ -57,6 +63,10 @@ body.d3d-presenter .info-text {font-size: 17px !important;}
 """
 
 
+# τ defined without any term the page has not yet explained (round, draft, bonus): what one round does, in a line
+LEGEND_TAU = "<b>τ</b>: tokens per round (one target pass keeps the right guesses + one token of its own)"
+
+
 def legend_html() -> str:
     return CSS + (
         '<div class="d3d-legend"><span>Legend:</span>'
@@ -67,9 +77,9 @@ def legend_html() -> str:
         '<span><span class="tok first">first</span> first token (from prefill)</span>'
         '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
         "</div>"
-        '<div class="d3d-legend d3d-counters"><span><b>τ</b>: tokens per round (accepted drafts + bonus)</span>'
+        f'<div class="d3d-legend d3d-counters"><span>{LEGEND_TAU}</span>'
         f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async): next block drafted during '
-        "the verify, for the guess (a, t) that came true; “–”: no guessing ahead</span><span>hover a term for more</span></div>"
+        "the check; “–”: no guessing ahead</span><span>hover a term for more</span></div>"
     )
 
 
@@ -274,8 +284,10 @@ def _tau_note(trace: Trace) -> str:
     n = f"{len(rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens"
     if whole == decoded:
         return f'; <span class="term" title="τ is the mean of a + 1 over the rounds: rounds × τ = the tokens the rounds committed">{n}</span>'
-    return (f'; <span class="term" title="τ is the mean of a + 1 over the rounds; the last round printed only what came before '
-            f'the stop">{n}, {decoded}&nbsp;printed: the stop cut the last round</span>')
+    end = {"eos": "the answer's end", "length": "the token limit"}.get(trace.finish_reason, "the stop")
+    return (f'; <span class="term" title="τ is the mean of a + 1 over the rounds and counts the last round whole; the output '
+            f'does not, so per token (decode time ÷ {decoded}) is a little above round ÷ τ (decode time ÷ {whole})">{n}, '
+            f"{decoded}&nbsp;printed: the last round's {whole - decoded} past {end} are cut</span>")
 
 
 # why a run ended, in words beside its code (the Trace's finish_reason)
@@ -294,8 +306,9 @@ TIPS = {
                 "after the verify, while the target waited. –: ar, dflash and d3d-seq do not guess ahead, so they have no hits "
                 "(and d3d-async reads – until a round has its verdict)",
     "speedup": "ar's time per token ÷ this mode's, in this race; in brackets the 10–90 % spread over resampled rounds",
-    "per token": "this mode's measured time per output token = decode time ÷ tokens committed (about one round ÷ τ: a round "
-                 "commits a + 1 tokens, a accepted drafts + the bonus, but the last one commits fewer when the answer ends inside it)",
+    "per token": "this mode's measured time per output token = decode time ÷ tokens printed (about one round ÷ τ; a little "
+                 "more where the last round's tokens past the answer's end or the token limit were cut: τ counts them, the "
+                 "output does not)",
     "round": "decode time ÷ rounds",
     "verify": "the target's verify forwards (verify(k): one forward over k tokens, the anchor + k − 1 drafts)",
     "draft not hidden": "drafting the target had to wait for (d3d-async hides a hit's draft, which ran during the verify; after a "

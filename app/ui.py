@@ -55,10 +55,19 @@ EXAMPLES = [
     ("What are three good habits for learning a new language? Answer briefly.", "chat · τ ≈ 1.2"),
 ]
 # what the chips' τ counts (a lesson race runs to the end of its answer, so it reads another τ)
-EXAMPLES_LABEL = "Examples · τ: d3d-seq's tokens per round over the first 96 new tokens (a longer race reads another τ)"
-ENGINE_INFO = ("int4: the GGUF's own 4-bit blocks, the fastest ar here (the fair baseline; ⚖ fair race, the API's default). "
-               "fp32: the same weights dequantised, a slower ar that leaves speculation more to win (the lesson). Lossless "
-               "against ar on the same engine; the status line above the tabs names the int4 kernel (“int4 GEMM: …”).")
+EXAMPLES_LABEL = "Examples · τ: d3d-seq's over the first 96 new tokens, not this race's (How it works › Which τ is which)"
+ENGINE_INFO = ("int4: the GGUF's 4-bit blocks, this app's fastest ar (⚖ fair race; after an int4 race the Status line names "
+               "its kernel, “int4 GEMM: …”). fp32: the same weights dequantised, a slower ar that leaves speculation more to "
+               "win (the lesson).")
+# the first screen: speculative decoding in plain words before any of the app's own terms, then the four modes, each
+# named once with what sets it apart; DFlash and D3D are papers' names (How it works › Words says which)
+HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast *drafter* model guesses the next few tokens, "
+          "and the big *target* model checks all the guesses in one pass and keeps those it would have written itself — so the "
+          "output is identical to plain decoding (**ar**: one target pass per token), from fewer target passes. Raced here "
+          "against `ar`: **dflash** (a DFlash-style drafter that reads the target's internal states, so it waits for every "
+          "check) and the standalone **D3D** drafter, taking turns with the target (**d3d-seq**) or guessing the next block "
+          "while the target checks this one (**d3d-async**). DFlash and D3D are named after their papers (*How it works › "
+          "Words*); identical means on the same engine (the ✓ under each column checks).")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -721,17 +730,18 @@ def upload_traces(file, state):
 
 
 def recorded_note(meta: dict) -> str:
-    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's)."""
-    where = f"a {meta['cores']}-core {meta['cpu']}" if meta.get("cores") and meta.get("cpu") else (meta.get("cpu") or "another machine")
+    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's), and the
+    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range."""
     spread = (meta.get("spread") or {}).get("d3d-seq")
     seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
     seq = [x for x in seq if x is not None]
-    runs_note = (f" — the median of {len(meta['runs'])} identical races by d3d-seq's speedup (d3d-seq read "
-                 f"{min(seq):.2f}–{max(seq):.2f}×, within {spread:.0%}); the range beside each speedup: this race's own, "
-                 "10–90 % over resampled rounds") if len(seq) > 1 and spread is not None else ""
-    return (f"📼 **Recorded race**: the {meta.get('preset', 'lesson')} preset, raced on {meta.get('date', 'an unknown date')} on "
-            f"{where} ({meta.get('engine', '?')} engine, commit {meta.get('commit', '?')}){runs_note}. Its times are that "
-            "machine's, not this one's. Press **▶ Run race** to race live here.")
+    runs_note = (f": the median of {len(meta['runs'])} identical races (d3d-seq {min(seq):.2f}–{max(seq):.2f}×, within "
+                 f"{spread:.0%}: timing noise between runs; the range after each speedup below is wider: how much it hangs on "
+                 "which rounds this answer had, 10–90 % over its resampled rounds)") if len(seq) > 1 and spread is not None else ""
+    tag = service.run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
+                  meta.get("commit"))
+    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset{runs_note}. Its times are that "
+            "machine's; **▶ Run race** races here.")
 
 
 def open_recorded(bundle, state):
@@ -752,8 +762,8 @@ def open_recorded(bundle, state):
     state["pieces"] = service.pieces(trs[0].bundle, trs)
     status = recorded_note(meta) + output_check(state)
     load = race_load(trs)
-    if load is not None:
-        status += "\n\n" + load.status()
+    if load is not None:  # a quiet machine is a note on the same line; a busy one a warning of its own
+        status += ("\n\n" if load.busy else " · ") + load.status()
     why = economics_sentences(state)
     if why:
         status += "\n\n" + why
@@ -769,6 +779,42 @@ CLOCK_TAGS = {  # what a tag in a clock's name means, said only where an offered
     "(measured": "(measured, …): costs timed on that GPU by scripts/gpu_check.py",
     "(scaled)": "(scaled): a profile whose costs the what-if sliders of Benchmarks › Projections multiplied",
 }
+
+
+# the Measured bench table's caption: what its rate columns are shares of (bench.summarize: hit_rate is the mean over
+# prompts of each trace's Stats.hit_rate, hits over the rounds with a packed pass, which a skipped round never has)
+BENCH_TABLE_LABEL = ("Measured (bench command: its own τ and times, not this race's — How it works › Which τ is which; scroll "
+                     "for the 'average' rows at the end). hit_rate (d3d-async): share of its "
+                     "drafted rounds whose next block one of its guesses had already drafted during the check, per prompt, "
+                     "then averaged; rounds the draft gate skipped make no guesses and do not count. skipped: share of all "
+                     "rounds the gate skipped. Rows marked (verify …, drafting …): the same run with another rule, averaged "
+                     "over the datasets")
+
+
+PRUNING_INTRO = ("Untick drafter layers to skip them: a skipped layer adds nothing, and its input passes on to the next layer "
+                 "unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ is "
+                 "re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the precomputed "
+                 "greedy progression (at each step, drop the layer whose removal costs the least τ). The dashed grey line marks "
+                 "**99 % of this drafter's calibration τ**, the bar a removed layer must stay above (the dotted olive line: the "
+                 "same for its held-out τ). For scale, the D3D preprint (the paper this app's D3D method comes from) kept 99 % "
+                 "with 5 of a **36-layer** drafter's layers removed; an 8-layer drafter has no spare layers (How it works › "
+                 "*What pruning trades* says why).")
+
+
+# the Timeline's Economics of this run: what its bars, column lines and table mean
+ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it printed "
+                  "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
+                  "the answer's end or the token limit are cut, and τ counts them while the output does not, so per "
+                  "token is then a little above round ÷ τ); a round is a "
+                  "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
+                  "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
+                  "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
+                  "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
+                  "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
+                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
+                  "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
+                  "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
+                  "all H hypotheses in one forward, run during verify).")
 
 
 def hit_slider_label(hit: float, where: str) -> str:
@@ -798,7 +844,7 @@ def zerogpu_note() -> str:
     wait_min = -(-APP_QUEUE_MAX // n) * cap / 60
     return (f"On this ZeroGPU Space each race borrows a GPU for at most {cap} s (a visitor without an account has "
             f"{quota_seconds()} s of ZeroGPU a day; a longer request would be refused), so tokens × modes are capped and the "
-            f"status line above the tabs says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
+            f"Status line above the tabs says so; {n} races run at once, each on its own GPU, and with a full queue ({APP_QUEUE_MAX}) a wait can "
             f"reach about {wait_min:.0f} min. Stop ends the GPU work at its next round.")
 
 
@@ -810,12 +856,7 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="D3D Studio", fill_width=True, delete_cache=(max(10, APP_TEMP_MAX_AGE_S // 3), APP_TEMP_MAX_AGE_S)) as demo:
         state = gr.State(empty_state(), time_to_live=APP_SESSION_TTL_S)
         pstate = gr.State(empty_pruning(), time_to_live=APP_SESSION_TTL_S)
-        gr.Markdown(
-            "# D3D Studio\nAsynchronous speculative decoding with a standalone block-diffusion drafter (**D3D**), "
-            "raced against autoregressive decoding (**ar**), a target-conditioned **DFlash**-style drafter and D3D run "
-            "sequentially (**d3d-seq**). Every mode is lossless: at temperature 0 each prints `ar`'s tokens on the same engine "
-            "(the ✓ under each column checks) — what differs is how many target forwards and how much waiting it takes."
-        )
+        gr.Markdown(HEADER, elem_id="header")
         status = gr.Markdown("Pick a prompt and press **Run race**.", elem_id="status")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
@@ -843,8 +884,8 @@ def build_demo() -> gr.Blocks:
                                                  "MASK slots (the positions still to be guessed). Higher τ, but a draft reads every layer, "
                                                  "as a verify does: race both and compare.")
                     with gr.Column(scale=2):
-                        bundle = gr.Dropdown(service.bundle_names(), value=home, label="Bundle (target + drafters)",
-                                             info="a target model and its drafters (smollm2-135m: from its GGUF file, llama.cpp's format)")
+                        bundle = gr.Dropdown(service.bundle_names(), value=home, elem_id="bundle",
+                                             label="Bundle: a target model + its drafters (smollm2-135m: from its GGUF file)")
                         modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run")
                         gr.Examples([[p] for p, _ in EXAMPLES], inputs=[prompt], example_labels=[lab for _, lab in EXAMPLES],
                                     label=EXAMPLES_LABEL)
@@ -861,7 +902,7 @@ def build_demo() -> gr.Blocks:
                     with gr.Row():
                         verify = gr.Radio(["adaptive", "full"], value=lesson.PRESETS["lesson"]["verify"], label="Verify plan",
                                           info="adaptive: verify only the drafts likely to pay (the rest are held back: pale yellow in Rounds). "
-                                               "full: all B − 1 drafts. verify(k) (in the status line above the tabs, "
+                                               "full: all B − 1 drafts. verify(k) (in the Status line above the tabs, "
                                                "its folded *What each round cost* part) = one target forward over k tokens.")
                         drafting = gr.Radio(["gated", "always"], value=lesson.PRESETS["lesson"]["drafting"], label="Drafting",
                                             info="gated: skip the draft while drafting has lately not paid (pale blue 'no draft' rows in "
@@ -921,18 +962,7 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown("Next: **Economics of this run** (the tab beside this one) splits what one output token cost.",
                                     elem_id="timeline-next")
                     with gr.Tab("Economics of this run", id="timeline-economics"):
-                        gr.Markdown("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it committed "
-                                    "(about one round ÷ τ; a round commits a + 1 tokens — `a` accepted drafts + the bonus — but the last one "
-                                    "commits fewer when the answer ends inside it); a round is a "
-                                    "verify plus any drafting the target had to wait for. The bars split each mode's measured time per token "
-                                    "into verify, draft not hidden behind verify, and other (neither lane busy); they add up to the measured "
-                                    "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
-                                    "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
-                                    "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
-                                    "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
-                                    "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
-                                    "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
-                                    "all H hypotheses in one forward, run during verify).")
+                        gr.Markdown(ECONOMICS_NOTE, elem_id="economics-note")
                         econ_plot = gr.Plot(figures.economics_figure([]), label="ms per output token", elem_id="economics")
                         econ_table = gr.Dataframe(figures.economics_table([]), label="Costs of this run (ms; measured, or projected under the chosen clock)",
                                                   interactive=False, wrap=True)
@@ -947,13 +977,7 @@ def build_demo() -> gr.Blocks:
                             "size** (a bench sweep). The app shows several τ (this race's, the bench's, offline, calibration, held-out): "
                             "**How it works › Which τ is which** says how each is measured and why they differ.", elem_id="which-tau")
             with gr.Tab("Pruning", id="pruning"):
-                gr.Markdown("Untick drafter layers to skip them: a skipped layer adds nothing, and its input passes on to the next "
-                            "layer unchanged (the *residual stream*: the running sum every layer adds its output to). The offline τ "
-                            "is re-measured live on a small calibration set (fixed prompts, no decoding); the curve shows the "
-                            "precomputed greedy progression (at each step, drop the layer whose removal costs the least τ), and the "
-                            "dashed grey line 99 % of **this** drafter's full τ: the share the D3D preprint (the paper this app's D3D "
-                            "method comes from) kept while removing 5 of a **36-layer** drafter's layers — a deep drafter's "
-                            "reference: an 8-layer drafter has no spare layers (How it works › *What pruning trades* says why).")
+                gr.Markdown(PRUNING_INTRO, elem_id="pruning-intro")
                 p_drafter = gr.Radio(pruning_drafters(home), value="d3d", label="Drafter to prune", elem_id="prune-drafter",
                                      info="d3d: the 8-layer D3D drafter. d3d-deep: the target's own 30 layers (shared, not copied) "
                                           "+ trained rank-64 adapters (small weights added to those layers) that act on the MASK "
@@ -979,8 +1003,7 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(service.bench_sources(home), elem_id="bench-sources")
                         v_prov, v_table, v_check, v_ds, v_acc, v_sweep, v_cprov, v_costs, v_overlap = bench_views(home)
                         b_prov = gr.Markdown(v_prov, elem_id="bench-provenance")
-                        b_table = gr.Dataframe(v_table, label="Measured (bench command); rows marked (verify …, drafting …) are the same run with another verify or "
-                                               "drafting rule; skipped = share of rounds the draft gate skipped", interactive=False)
+                        b_table = gr.Dataframe(v_table, label=BENCH_TABLE_LABEL, interactive=False)
                     with gr.Tab("Acceptance and block size", id="bench-acceptance"):
                         with gr.Row():
                             with gr.Column():

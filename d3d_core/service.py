@@ -446,10 +446,12 @@ def _measured_point(bundle_name: str) -> tuple:
     where = "the Measured bench's d3d-async on gsm8k (its table's row)"
     if every:
         hits = [r["hit_rate"] for r in every if r.get("hit_rate") is not None]
+        gated = f", {row['hit_rate']:.3f}" if row and row.get("hit_rate") is not None else ""  # as the table prints it
         row = {"tau": sum(r["tau"] * r["rounds"] for r in every) / sum(r["rounds"] for r in every),
                "hit_rate": sum(hits) / len(hits) if hits else 0.0}
-        where = (f"the Measured bench's d3d-async on gsm8k, drafting every round (the mean over its {len(hits)} prompts; "
-                 "the projection models rounds that all draft)")
+        where = (f"the Measured bench's d3d-async on gsm8k drafting every round, the mean over its {len(hits)} prompts: "
+                 f"per-prompt rows of assets/bench/{bundle_name}.json, not a row of the Measured table (its gsm8k row is the "
+                 f"{dec.get('drafting') or 'main'} run{gated}; its 'drafting always' rows average the datasets) — the projection models rounds that all draft")
     B = int(dec.get("block_size") or 8)
     if not row:
         return 2.0, 0.3, B, "assumed: no bench of d3d-async on gsm8k ships with this bundle"
@@ -518,7 +520,7 @@ def retimed(traces: list, clock: str) -> tuple:
 
 def clock_assumptions(clock: str) -> str:
     if clock in (None, "", MEASURED_CLOCK):
-        return "Span lengths as measured during the run, on the machine that ran it (a recorded race: the machine the status line names), on one clock for both lanes." + gpu_profile_note()
+        return "Span lengths as measured during the run, on the machine that ran it (a recorded race: the machine the Status line names), on one clock for both lanes." + gpu_profile_note()
     p = PRESETS.get(clock)
     if p is None:
         return ""
@@ -550,19 +552,28 @@ def cost_breakdown(bundle_name: str, engine: str = "fast") -> Optional[dict]:
     return _asset_json("bench", f"{bundle_name}-costs{'-int4' if engine == 'int4' else ''}.json")
 
 
+def run_tag(date, cpu, cores=None, engine=None, commit=None) -> str:
+    """A compact tag for figures measured in another run than the one on screen: its date and machine (and engine), the
+    commit in its hover text rather than in the sentence (an HTML span the app's CSS styles as ``.d3d-tag``)."""
+    where = f"{cores}-core {cpu}" if cores and cpu else (cpu or "an unrecorded CPU")
+    text = " · ".join(str(x) for x in (date, where, engine) if x)
+    tip = f' title="measured at commit {commit}"' if commit else ""
+    return f'<span class="d3d-tag"{tip}>{text}</span>'
+
+
 def provenance(result: Optional[dict]) -> str:
-    """One line saying where and how a shipped measurement was taken, with the quietness warning."""
+    """One line saying where and how a shipped measurement was taken (its run's date, machine and engine as a
+    ``run_tag``), with the quietness warning."""
     if not result:
         return ""
     m = result.get("machine_info") or result.get("machine") or {}
     eng = result.get("engine")
     eng = eng.get("target") if isinstance(eng, dict) else eng
     eng = {"fast": "fp32"}.get(eng, eng)
-    line = f"Measured on **{m.get('cpu', 'an unrecorded CPU')}**"
-    if m.get("date"):  # recorded by runs since 2026-12-07; older files name theirs in a note or in docs/RESULTS.md
-        line += f" on {m['date'][:10]}" + (f" at commit {m['commit']}" if m.get("commit") else "")
-    line += f" ({m.get('torch_threads', '?')} threads"
-    line += f", {eng} engine)" if eng else ", engine not recorded)"
+    # the date is recorded by runs since 2026-12-07; older files name theirs in a note or in docs/RESULTS.md
+    line = "Measured in its own run " + run_tag((m.get("date") or "")[:10] or None, m.get("cpu"), None,
+                                                f"{eng} engine" if eng else "engine not recorded", m.get("commit"))
+    line += f" ({m.get('torch_threads', '?')} threads)"
     c = result.get("config") or {}
     if c.get("datasets") and c.get("n"):  # the run's settings: two runs of the same quantity differ by these too
         ds = c["datasets"] if isinstance(c["datasets"], str) else ",".join(c["datasets"])

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import api_message
+from conftest import ROOT, api_message
 
 
 @pytest.fixture(scope="module")
@@ -275,12 +275,69 @@ def test_the_projection_hit_slider_says_which_measurement_it_starts_at():
     tau, hit, B = service.measured_point("smollm2-135m")
     label = ui.hit_slider_label(hit, service.measured_point_source("smollm2-135m"))
     assert f"starts at {hit:.2f}" in label and "Measured bench's d3d-async on gsm8k" in label and "prompts" in label
+    # a figure no row of the visible table shows names where it is read from, and the visible row it differs from
+    gated = next(s["hit_rate"] for s in service.bench_result("smollm2-135m")["summary"]
+                 if (s["mode"], s["dataset"]) == ("d3d-async", "gsm8k"))
+    assert "assets/bench/smollm2-135m.json" in label and f"gated run, {gated:.3f}" in label and "not a row of" in label
+    # the table's caption says what hit_rate is a share of, and that rounds the gate skipped do not count in it
+    assert "hit_rate (d3d-async): share of its drafted rounds" in ui.BENCH_TABLE_LABEL
+    assert "skipped make no guesses and do not count" in ui.BENCH_TABLE_LABEL
     assert "assumed" in ui.hit_slider_label(service.measured_point("toy")[1], service.measured_point_source("toy"))
 
 
 def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chip_counts():
     from app import ui
+    from app.tokens import CSS
 
-    assert "status line above the tabs" in ui.ENGINE_INFO and "int4 GEMM" in ui.ENGINE_INFO
+    # the text's name for the line above the tabs is written on it (a label drawn before its first paragraph), and the
+    # int4 kernel is promised only where it is shown: after an int4 race (the status adds "int4 GEMM: …" for int4 only)
+    assert 'content: "Status line' in CSS and "#status .md > p:first-child::before" in CSS
+    assert "after an int4 race the Status line names" in ui.ENGINE_INFO and "int4 GEMM" in ui.ENGINE_INFO
+    src = (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
+    assert 'if engine == "int4":\n        status += f" · int4 GEMM: ' in src
     assert any("lesson · τ ≈" in lab for _, lab in ui.EXAMPLES)
     assert "first 96 new tokens" in ui.EXAMPLES_LABEL  # the chips' τ is not the lesson race's, which runs to the end
+    assert "not this race's (How it works › Which τ is which)" in ui.EXAMPLES_LABEL  # the first τ not the race's points there
+
+
+def test_the_first_screen_says_what_speculative_decoding_is_before_any_jargon():
+    """Issue 46, the eighth reader's 1 and 2: the header's first sentence explains speculative decoding with words of
+    its own (drafter guesses, target checks in one pass, keeps what it would have written, output identical), before
+    any of the app's terms; the four modes follow, DFlash and D3D pointed to; the legend's τ needs no word not yet met."""
+    from app import ui
+    from app.tokens import LEGEND_TAU, legend_html
+
+    h = ui.HEADER
+    first = h.index("Speculative decoding in one sentence")
+    for word in ("drafter", "guesses the next few tokens", "target", "checks all the guesses in one pass",
+                 "keeps those it would have written itself", "identical to plain decoding"):
+        assert h.index(word, first) > first, word
+    for jargon in ("block-diffusion", "round", "bonus", "anchor", "verify", "τ", "hypothes"):
+        assert jargon not in h[:h.index("Raced here")], jargon
+    assert all(m in h for m in ("**ar**", "**dflash**", "**d3d-seq**", "**d3d-async**")) and "How it works › " in h
+    assert "Words" in h and "same engine" in h
+    # τ in one line, with no round/draft/bonus/accepted left undefined
+    assert LEGEND_TAU in legend_html() and "one target pass" in LEGEND_TAU
+    assert not any(w in LEGEND_TAU for w in ("bonus", "accepted", "draft"))
+
+
+def test_the_pruning_tab_says_whose_tau_the_dashed_line_is_99_percent_of():
+    """The eighth reader's 23: the dashed grey line is 99 % of this drafter's calibration τ, said as its own sentence,
+    apart from the preprint's result (which is a reference for scale, not the line)."""
+    from app import ui
+
+    t = ui.PRUNING_INTRO
+    line = t[t.index("The dashed grey line"):]
+    assert line.startswith("The dashed grey line marks **99 % of this drafter's calibration τ**")
+    assert "preprint" not in line[:line.index(". ")] and "preprint" in t
+
+
+def test_the_economics_note_says_the_last_rounds_cut_tokens_make_per_token_exceed_round_over_tau():
+    """The eighth reader's 13: τ counts the last round whole, the output only up to the stop; said where per token and
+    round ÷ τ are compared, and the Benchmarks table points to the τ it is not (this race's)."""
+    from app import ui
+
+    n = ui.ECONOMICS_NOTE
+    assert "decode time ÷ the tokens it printed" in n and "past the answer's end or the token limit are cut" in n
+    assert "a little above round ÷ τ" in n and "commits fewer" not in n
+    assert "Which τ is which" in ui.BENCH_TABLE_LABEL

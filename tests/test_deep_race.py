@@ -42,8 +42,9 @@ def test_the_deeper_drafter_section_quotes_the_shipped_deep_bench_beside_the_sam
     whole["config"]["engine"] = "int4"
     eight = {"summary": [{"dataset": "average", "mode": "d3d-seq", "tau": 1.1, "speedup": 0.91}]}
     s = explain.depth(None, [_bench("3", 2.7, 0.82, 48.0), whole], eight)
-    assert "AMD EPYC (AVX2), int4 engine, 2026-12-07) `d3d-seq` with it reached τ **2.90**" in s
+    assert "AMD EPYC (AVX2), int4 engine, 2026-12-07) `d3d-seq` with it reached τ **2.90** (the mean over its datasets)" in s
     assert "ran at **0.80×** `ar`, `d3d-async` 0.80×" in s and "the 8-layer drafter's `d3d-seq` reached τ 1.10 and 0.91×" in s
+    assert "(also the mean over its datasets)" in s  # both τ compared are the same kind of average
     assert "@" not in s and "In its bench" not in explain.depth(None)
     # the probe's depth-30 ratio is quoted as measured (a reader compared it with the Benchmarks tab's), or not at all
     assert "overlap probe reads" not in s
@@ -64,3 +65,23 @@ def test_pruning_says_what_the_saved_ms_do_to_the_rounds_break_even_tau():
     assert "saves about **5.0 ms per draft** (20% of a draft's 25 ms, 2.5 ms a layer)" in s
     assert "goes from 2.00 to 1.90 steps of 50 ms, its **break-even τ** falls 5.0%" in s
     assert explain.pruning_round(costs, 25.0, 2.5, 0) == "" and explain.pruning_round(None, 25.0, 2.5, 1) == ""
+
+
+def test_the_gate_explains_why_the_pruned_deep_drafters_tau_fell_more_than_its_speed():
+    """The eighth reader's 18: τ fell 12 % but speed 1 %. The rows say why: the gate skipped more rounds (each counts 1 in
+    τ and is an ar step), while τ per drafted round fell less; said from the bench's own per-prompt rows."""
+    def rows(skipped, tau_drafted):  # one prompt's d3d-seq row: 100 rounds, `skipped` of them undrafted
+        tau = (skipped + (100 - skipped) * tau_drafted) / 100
+        return {"mode": "d3d-seq", "dataset": "gsm8k", "rounds": 100, "skipped_rounds": skipped, "tau": tau, "span_ms": {}}
+
+    whole, pruned = _bench("", 1.5, 0.93, 168.0), _bench("3", 1.35, 0.92, 166.0)
+    whole["rows"].append(rows(75, 3.0))
+    pruned["rows"].append(rows(82, 2.9))
+    text = explain.deep_race_text([whole, pruned])
+    assert "the draft gate skipped 75% → 82% of `d3d-seq`'s rounds" in text and "τ went only 3.00 → 2.90" in text
+    assert "the mean of its datasets' rows" in text and "pooled over its prompts" not in text
+    curve = {"layers": 30, "order": [3], "curve": [{"removed": 0, "tau": 3.3, "tau_rel": 1.0, "tau_eval": 2.9, "tau_eval_rel": 1.0},
+                                                  {"removed": 1, "tau": 3.1, "tau_rel": 0.94, "tau_eval": 2.7, "tau_eval_rel": 0.92}]}
+    assert "skipped 75% → 82%" in explain.pruning_story(None, curve, [whole, pruned])
+    # without the per-prompt rows nothing is claimed
+    assert "Why τ fell" not in explain.deep_race_text([_bench("", 3.0, 1.1, 50.0), _bench("3", 2.8, 1.15, 48.0)])

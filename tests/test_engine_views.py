@@ -117,7 +117,7 @@ def test_every_benchmarks_section_names_its_run():
 
 def test_one_fp32_run_feeds_both_the_measured_bench_and_the_engines_tab(monkeypatch):
     """Without a separate fp32 bench the Engines tab reads the Measured bench when it ran on the fp32 engine (one run,
-    so the two tabs print the same figures), never an int4 one; a run's provenance names its date and commit."""
+    so the two tabs print the same figures), never an int4 one; a run's provenance tags its date and machine (commit on hover)."""
     from d3d_core import service
 
     files = {"toy.json": {"engine": {"target": "fast"}, "summary": [], "machine": {"cpu": "C", "date": "2026-12-07 13:00 UTC",
@@ -126,7 +126,10 @@ def test_one_fp32_run_feeds_both_the_measured_bench_and_the_engines_tab(monkeypa
     monkeypatch.setattr(service, "_asset_json", lambda *parts, schema=None: files.get(parts[-1]))
     _, benches = service.engine_runs("toy")
     assert benches["fast"] is files["toy.json"] and benches["int4"] is files["toy-int4.json"]
-    assert "Measured on **C** on 2026-12-07 at commit abc1234 (" in service.provenance(files["toy.json"])
+    # date, machine and engine in a compact tag; the commit on hover, not in the sentence
+    line = service.provenance(files["toy.json"])
+    assert '<span class="d3d-tag" title="measured at commit abc1234">2026-12-07 · C · fp32 engine</span> (' in line
+    assert line.count("abc1234") == 1
     files["toy.json"]["engine"] = {"target": "int4"}
     assert "fast" not in service.engine_runs("toy")[1]
     files["toy-fp32.json"] = {"engine": "fast", "summary": [], "own": True}

@@ -43,9 +43,13 @@ def test_the_three_kinds_of_round_and_the_skipped_one():
     s = lesson.round_sentence(base, p, "d3d-seq")
     assert "“b · c · d”" in s and "“b · c · i · j”" in s and "The first 2 guesses match" in s and "guess 3, “d”, differs from the target's “i”" in s
     assert "3 tokens committed, “b · c · i”" in s and "(ar needs 3)" in s
+    # the target's token after the bonus followed the rejected guess: said to be discarded, so it is not read as the target failing
+    assert "The target's tokens after that, “j”, continue the rejected guess" in s and "discarded too" in s
     allr = dataclasses.replace(base, target_ids=[2, 3, 4, 10], accepted=3, bonus=10, committed=[2, 3, 4, 10])
+    assert "discarded too" not in lesson.round_sentence(allr, p, "dflash")  # nothing after the bonus to discard
     assert "All 3 guesses match" in lesson.round_sentence(allr, p, "dflash") and "“j”" in lesson.round_sentence(allr, p, "dflash")
     none = dataclasses.replace(base, target_ids=[7, 3, 4, 10], accepted=0, bonus=7, committed=[7])
+    assert "“c · d · j”, continue the rejected guess" in lesson.round_sentence(none, p)
     assert "already differs from the target's “g”" in lesson.round_sentence(none, p) and "1 token committed" in lesson.round_sentence(none, p)
     skipped = dataclasses.replace(base, draft_ids=[], draft_probs=[], target_ids=[7], accepted=0, bonus=7, committed=[7],
                                   draft_source="skipped", gate_rate=0.8, gate_threshold=1.0)

@@ -56,8 +56,15 @@ def test_the_recorded_race_opens_in_every_tab(toy_record, tmp_path, monkeypatch)
     out = ui.open_recorded("toy", state)
     status, cols, st = out[0], out[1:5], out[-1]
     meta = toy_record["recorded"]
-    assert status.startswith("📼 **Recorded race**") and meta["date"] in status and meta["commit"] in status
-    assert "not this one's" in status and "median of 2 identical races" in status
+    assert status.startswith("📼 **Recorded race**") and meta["date"] in status
+    # a compact tag (date, machine, engine) instead of a commit in the sentence; the commit is in the tag's hover
+    tag = service.run_tag(meta["date"], meta["cpu"], meta.get("cores"), f"{meta['engine']} engine" if meta.get("engine") else None,
+                     meta["commit"])
+    assert tag in status and f'title="measured at commit {meta["commit"]}"' in tag and meta["date"] in tag
+    assert status.count(meta["commit"]) == 1
+    assert "that machine's" in status and "median of 2 identical races" in status
+    # the two uncertainties, told apart in one sentence: the repeated races' spread and each speedup's own range
+    assert "timing noise between runs" in status and "10–90 % over its resampled rounds" in status
     assert set(st["traces"]) == set(MODES) and st["pieces"] and st["run"] is None
     assert all("d3d-col" in c for c in cols)
     load = race_load(list(st["traces"].values()))
@@ -179,16 +186,19 @@ def test_every_drafting_column_says_rounds_times_tau_and_why_it_is_not_the_token
         line = f"{len(t.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ&nbsp;=&nbsp;{whole}&nbsp;tokens"
         assert line in note and round(t.stats.tau * len(t.rounds)) == whole, (t.mode, note)
         if whole == decoded:
-            assert "printed" not in note and "stop cut" not in note
+            assert "printed" not in note and "are cut" not in note
         else:
-            assert f"{line}, {decoded}&nbsp;printed: the stop cut the last round" in note
+            # said plainly: the last round's tokens past the end are cut, and so per token sits above round ÷ τ
+            end = {"eos": "the answer's end", "length": "the token limit"}[t.finish_reason]
+            assert f"{line}, {decoded}&nbsp;printed: the last round's {whole - decoded} past {end} are cut" in note, note
+            assert f"decode time ÷ {decoded}) is a little above round ÷ τ (decode time ÷ {whole})" in note
             assert decoded == len(t.output_ids) - 1
     by = {t.mode: t for t in trs}
     # the shipped race: d3d-async's last round ended exactly at the stop, and it still gets its line
     a = by["d3d-async"]
     assert sum(r.accepted + 1 for r in a.rounds) == sum(len(r.committed) for r in a.rounds)
     assert f"{len(a.rounds)}&nbsp;rounds&nbsp;×&nbsp;τ" in _tau_note(a)
-    assert any("stop cut" in _tau_note(t) for t in trs)
+    assert any("are cut" in _tau_note(t) for t in trs)
 
 
 def test_the_async_column_says_its_drafts_hide_only_on_hits():
