@@ -819,7 +819,7 @@ ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode p
 
 def hit_slider_label(hit: float, where: str) -> str:
     """The Projections hit-rate slider's label: its starting value (``service.measured_point``) and where it was
-    measured (``service.measured_point_source``)."""
+    measured (``service.measured_point_and_source``)."""
     return f"hit rate (d3d-async); starts at {hit:.2f}: {where}"
 
 
@@ -1059,13 +1059,13 @@ def build_demo() -> gr.Blocks:
                             pj_profile = gr.Dropdown(list(service.cost_profiles()), value=list(service.cost_profiles())[1],
                                                      label="Cost profile (“measured”: timed on that machine, a GPU by scripts/gpu_check.py; "
                                                            "“derived”: assumed from datasheets)")
-                            m_tau, m_hit, m_B = service.measured_point(home)
+                            m_tau, m_hit, m_B, m_where = service.measured_point_and_source(home)
                             pj_B = gr.Slider(2, 16, value=m_B, step=1, label="Block size B")
                             pj_H = gr.Slider(1, 32, value=4, step=1, label="Hypotheses H")
                         with gr.Row():
                             pj_tau = gr.Slider(0.5, 3.0, value=1.0, step=0.01,
                                                label="τ scale: × each mode's own measured τ (1 = as the bench measured each mode; capped to [1, B])")
-                            pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label=hit_slider_label(m_hit, service.measured_point_source(home)))
+                            pj_hit = gr.Slider(0.0, 1.0, value=m_hit, step=0.01, label=hit_slider_label(m_hit, m_where))
                         with gr.Row():
                             pj_v = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× verify cost")
                             pj_d = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="× draft cost")

@@ -432,9 +432,10 @@ def measured_point(bundle_name: str) -> tuple:
     return _measured_point(bundle_name)[:3]
 
 
-def measured_point_source(bundle_name: str) -> str:
-    """Where ``measured_point`` took its figures, in words for the slider it starts."""
-    return _measured_point(bundle_name)[3]
+def measured_point_and_source(bundle_name: str) -> tuple:
+    """(τ, hit rate, B, where): ``measured_point`` and where it took its figures, in words for the slider it starts
+    (one read of the bench for both)."""
+    return _measured_point(bundle_name)
 
 
 def _measured_point(bundle_name: str) -> tuple:

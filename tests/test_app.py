@@ -272,8 +272,9 @@ def test_the_projection_hit_slider_says_which_measurement_it_starts_at():
     from app import ui
     from d3d_core import service
 
-    tau, hit, B = service.measured_point("smollm2-135m")
-    label = ui.hit_slider_label(hit, service.measured_point_source("smollm2-135m"))
+    tau, hit, B, where = service.measured_point_and_source("smollm2-135m")
+    assert (tau, hit, B) == service.measured_point("smollm2-135m")
+    label = ui.hit_slider_label(hit, where)
     assert f"starts at {hit:.2f}" in label and "Measured bench's d3d-async on gsm8k" in label and "prompts" in label
     # a figure no row of the visible table shows names where it is read from, and the visible row it differs from
     gated = next(s["hit_rate"] for s in service.bench_result("smollm2-135m")["summary"]
@@ -282,7 +283,7 @@ def test_the_projection_hit_slider_says_which_measurement_it_starts_at():
     # the table's caption says what hit_rate is a share of, and that rounds the gate skipped do not count in it
     assert "hit_rate (d3d-async): share of its drafted rounds" in ui.BENCH_TABLE_LABEL
     assert "skipped make no guesses and do not count" in ui.BENCH_TABLE_LABEL
-    assert "assumed" in ui.hit_slider_label(service.measured_point("toy")[1], service.measured_point_source("toy"))
+    assert "assumed" in ui.hit_slider_label(*service.measured_point_and_source("toy")[1::2])
 
 
 def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chip_counts():
