@@ -38,7 +38,7 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {draft:.2f} steps (the cost of one one-token step, not a share of a verify). So with this table's costs ({engine} engine,
 **Benchmarks › Where the time goes**) a `d3d-seq` round of `B = 8` (a draft, then a verify of the whole block) costs
-{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps: it needs τ above about {v8 + draft:.1f} just
+{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps: it must commit more than {v8 + draft:.2f} tokens a round (τ) just
 to tie `ar` — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. A race's own
 break-even τ (under each Race column, and in the **Timeline** tab's *Economics of this run*) differs: it divides the
 round that race paid by the `ar` step of the same race — another prompt, engine or machine, and each mode's own draft.
