@@ -238,7 +238,7 @@ WORDS = """
 | **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
 | **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
 | **prefill** | the target's first forward over the whole prompt at once: it fills the KV cache and yields the first output token (pink in the Timeline); every mode starts with it, so tokens/s leave it out |
-| **`<|im_end|>`** | the model's end-of-answer token: printing it ends the answer (*finish = eos*) |
+| **<code>&lt;&#124;im_end&#124;&gt;</code>** | the model's end-of-answer token: printing it ends the answer (*finish = eos*) |
 | **gsm8k, mt_bench, …** | public benchmark prompt sets (school maths, multi-turn chat, code, …) the bench draws its prompts from |
 | **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
 | **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |

@@ -700,6 +700,33 @@ def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
     assert not service.block_sweep_stale("toy")
 
 
+def test_the_how_it_works_tables_render_every_row_with_the_header_s_cells():
+    """A `|` inside a cell (``<|im_end|>``) splits a Markdown table row, code span or not (a renderer then drops the
+    cells past the header's): every row has as many cells as its table's header, and the end-of-answer token's row
+    renders as one term and its meaning."""
+    import html
+    import re
+
+    from markdown_it import MarkdownIt
+
+    from app import explain
+
+    for name in ("GLOSSARY", "WORDS", "QUESTIONS", "WHICH_TAU"):
+        width = None
+        for line in getattr(explain, name).splitlines():
+            if not line.startswith("|"):
+                width = None  # a table ends at its first line that is not a row
+                continue
+            cells = len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+            width = width or cells
+            assert cells == width, (name, line)
+    page = MarkdownIt("commonmark").enable("table").render(explain.WORDS)
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", page, flags=re.S) if "im_end" in r)
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)]
+    assert len(cells) == 2 and cells[0] == "<|im_end|>", cells
+    assert "end-of-answer token" in cells[1]
+
+
 def test_how_it_works_says_where_its_break_even_comes_from_and_the_glossary_covers_the_bench_columns():
     from app import explain
     from d3d_core import service
