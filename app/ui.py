@@ -801,6 +801,15 @@ PRUNING_INTRO = ("Untick drafter layers to skip them: a skipped layer adds nothi
                  "*What pruning trades* says why).")
 
 
+# the Traces tab: what a trace file holds (d3d_core.decoding.trace.Trace) and what it is for (upload_traces reads it back)
+TRACES_INTRO = ("**A trace** is the whole record of a race, one per mode: the prompt and settings; every round's anchor, drafts "
+                "(with the drafter's probabilities), the target's tokens, accepted count and bonus (d3d-async: its hypotheses "
+                "too); each forward's start and end on the target and drafter lanes; the stats and the machine's load. The race's "
+                "columns, Timeline, Acceptance and Rounds are drawn from it alone.\n\n**What for:** keep or share a race. "
+                "*Prepare download* writes this session's race to one JSON file; uploading one (or a race exported as HTML "
+                "on the Race tab) shows that race again in those tabs, with nothing run.")
+
+
 # the Timeline's Economics of this run: what its bars, column lines and table mean
 ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it printed "
                   "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
@@ -1110,7 +1119,7 @@ def build_demo() -> gr.Blocks:
                     with gr.Tab("Words", id="explain-words"):
                         gr.Markdown(explain.WORDS)
             with gr.Tab("Traces", id="traces"):
-                gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
+                gr.Markdown(TRACES_INTRO)
                 dl_btn = gr.Button("Prepare download")
                 dl_file = gr.File(label="Traces JSON", interactive=False)
                 up_file = gr.File(label="Upload a trace JSON (or an exported race HTML)", file_types=[".json", ".html"], type="filepath")
