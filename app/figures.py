@@ -774,7 +774,8 @@ def diagram_pruning(curve: Optional[dict] = None) -> go.Figure:
                            font=dict(color=GREY if skipped else "black"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
-    title = (f"Pruning drafter layers: the shipped pruning curve removes L{first[0]} first, then L{first[1]} (both skipped here)"
+    title = (f"Pruning, an example: the shipped pruning curve removes L{first[0]} first, then L{first[1]}, drawn skipped (a race keeps "
+              "every layer unless you race the drafter pruned)"
              if first else "Pruning drafter layers (a generic picture: which layers go is what the Pruning tab measures)")
     fig.update_layout(title=title, height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)

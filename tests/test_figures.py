@@ -207,6 +207,9 @@ def test_the_pruning_picture_skips_what_the_shipped_curve_removes_first():
     f = figures.diagram_pruning(curve)
     first = [f"L{i}" for i in curve["order"][:2]]
     assert skipped(f) == sorted(first, key=lambda x: int(x[1:])) and f"removes {first[0]} first, then {first[1]}" in f.layout.title.text
+    # an example of what skipping looks like, not this race's drafter (the Pruning tab starts with every layer ticked)
+    assert "an example" in f.layout.title.text and "skipped here" not in f.layout.title.text
+    assert "a race keeps every layer unless you race the drafter pruned" in f.layout.title.text
     g = figures.diagram_pruning({"layers": 8, "order": [6, 1]})
     assert skipped(g) == ["L1", "L6"]
     assert "generic picture" in figures.diagram_pruning().layout.title.text and len(skipped(figures.diagram_pruning())) == 2
