@@ -548,7 +548,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     for i, (name, c) in enumerate(zip(STATE_NAMES, STATE_COLOURS)):  # legend with text labels
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=c, symbol="square"), name=name))
     fig.update_layout(
-        title=(f"{trace.mode}: rounds (✓ / ✗ = this round's hypotheses had / missed the NEXT round's block; · = last round)"
+        title=(f"{trace.mode}: rounds (next ✓ / next ✗: this round's hypotheses had / had not drafted the next round's block; · = last round)"
                if trace.mode == "d3d-async" else f"{trace.mode}: rounds"),
         yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
         legend=dict(orientation="h", y=-0.05), height=min(2400, max(320, 140 + 26 * len(rounds))), **LAYOUT,
@@ -561,7 +561,7 @@ def _verdict_mark(trace: Trace, r) -> str:
         return ""
     if r is trace.rounds[-1] and trace.finish_reason:
         return " ·"  # last round: its hypotheses were drafted, no next block was needed
-    return "" if r.hit is None else (" ✓" if r.hit else " ✗")
+    return "" if r.hit is None else (" next ✓" if r.hit else " next ✗")  # about the NEXT round's block, not this one's
 
 
 HYPOTHESES_NOTE = ("**score P(a,t)**: the drafter's own estimate that the verify accepts `a` drafts and its bonus is `t`. "

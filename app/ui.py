@@ -208,12 +208,14 @@ def _source_words(r, mode: str = "") -> str:
 
 
 def _position_words(tr, r) -> str:
-    """What round ``r``'s anchor position counts: the tokens before it, the prompt's and the output's so far."""
+    """What round ``r``'s anchor position counts: positions count from 0, so it is the number of tokens before the anchor,
+    the prompt's and the output's so far; the anchor itself is the newest committed output token."""
     prompt = len(tr.prompt_ids or [])
+    which = "the token the prefill produced" if r.index == 0 else "the previous round's bonus"
     if not prompt or r.anchor_pos < prompt:
-        return f"position {r.anchor_pos} (the tokens before it: the prompt's and the output's so far)"
-    return (f"position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + {r.anchor_pos - prompt} of the "
-            "output so far)")
+        return f"position {r.anchor_pos} (counting from 0: the tokens before it, the prompt's and the output's so far)"
+    return (f"position {r.anchor_pos} (counting from 0; before it: {prompt} prompt + {r.anchor_pos - prompt} output tokens; "
+            f"the anchor is the newest committed token, {which})")
 
 
 def _rounds_view(state, mode, idx):
@@ -232,12 +234,13 @@ def _rounds_view(state, mode, idx):
             f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
     cap = (f"**Round {idx}** of {n}: anchor at {_position_words(tr, r)}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
-           + (f" · {_source_words(r, mode)}" if r.draft_source else ""))
+           + (f" · **this block:** {_source_words(r, mode)}" if r.draft_source else ""))
     if idx == n - 1 and r.hypotheses:
-        cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
-                "and do not count in the hit rate")
+        cap += (" · **next block:** none needed, the decode ended here (this round's hypotheses get no verdict "
+                "and do not count in the hit rate)")
     elif r.hit is not None:
-        cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
+        cap += " · **next block:** " + ("ready ✓ (one of this round's hypotheses had drafted it during this verify)" if r.hit else
+                                       "not ready ✗ (no hypothesis matched this verify: drafted after it, while the target waited)")
         if r.hit and r.accepted == 0:
             cap += " — a hit with a = 0: no draft was accepted, but the hypothesis (0, bonus) guessed the target's token, so the next block was still ready"
     cap += "\n\n" + lesson.round_sentence(r, state["pieces"], mode)

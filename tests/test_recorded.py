@@ -225,9 +225,13 @@ def test_the_rounds_caption_says_what_the_position_counts_and_why_round_0_was_no
         r = by[mode].rounds[1]
         prompt = len(by[mode].prompt_ids)
         cap = ui._rounds_view(state, mode, 1)[2]
-        assert (f"anchor at position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + "
-                f"{r.anchor_pos - prompt} of the output so far)") in cap
+        assert (f"anchor at position {r.anchor_pos} (counting from 0; before it: {prompt} prompt + "
+                f"{r.anchor_pos - prompt} output tokens; the anchor is the newest committed token, the previous round's bonus)") in cap
     first = ui._rounds_view(state, "d3d-async", 0)[2]
+    # round 0's anchor is output too (the prefill's token): the caption says it is not counted among the tokens before it
+    r0 = by["d3d-async"].rounds[0]
+    assert (f"position {r0.anchor_pos} (counting from 0; before it: {len(by['d3d-async'].prompt_ids)} prompt + 0 output tokens; "
+            "the anchor is the newest committed token, the token the prefill produced)") in first
     assert "in round 0 nothing could be drafted ahead, because no verify had started yet" in first
     assert "nothing could be drafted ahead" not in ui._rounds_view(state, "d3d-seq", 0)[2]
 
@@ -242,3 +246,22 @@ def test_the_status_line_defines_tau_once_and_says_why_async_trails_seq():
     ec = {e.mode: e for e in race_economics(trs)}
     r = ec["d3d-async"].t_verify_ms / ec["d3d-seq"].t_verify_ms
     assert r >= 1.1 and f"its verify ran {r:.2f}× as long as d3d-seq's, beside the packed pass on the same cores" in text
+
+
+def test_the_rounds_header_labels_this_block_and_the_next_block_apart():
+    """Issue 46, the ninth reader's 8: where a round's own block came from and whether its hypotheses had the NEXT block
+    ready are two verdicts, each labelled; the grid's row marks say "next" too."""
+    from app import figures
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
+    tr = next(t for t in trs if t.mode == "d3d-async")
+    hit = next(i for i, r in enumerate(tr.rounds[:-1]) if r.hit and not r.skipped)
+    miss = next(i for i, r in enumerate(tr.rounds[:-1]) if r.hit is False and not r.skipped)
+    for i, verdict in ((hit, "**next block:** ready ✓"), (miss, "**next block:** not ready ✗")):
+        cap = ui._rounds_view(state, "d3d-async", i)[2]
+        assert "**this block:** " in cap and verdict in cap and "hypotheses: **" not in cap, cap
+        assert cap.index("**this block:**") < cap.index("**next block:**")
+    assert "**next block:** none needed" in ui._rounds_view(state, "d3d-async", len(tr.rounds) - 1)[2]
+    labels = list(figures.rounds_grid_figure(tr, {}).data[0].y)
+    assert labels[hit] == f"r{hit} next ✓" and labels[miss] == f"r{miss} next ✗"
