@@ -226,7 +226,7 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
         seq_tr = by_mode.get("d3d-seq")
         seq_pre = next((s for s in seq_tr.spans if s.kind == "prefill" and s.lane == "target"), None) if seq_tr else None
         if "drafter" in pre and "target" in pre and pre["drafter"].t_start < pre["target"].t_end and not projected:
-            than = (f" (d3d-seq's, alone: {seq_pre.duration:.0f} ms)" if seq_pre is not None else "")
+            than = (f", against {seq_pre.duration:.0f} ms for d3d-seq's target, which read it alone" if seq_pre is not None else "")
             e2e = ""
             ar_tr = by_mode.get("ar")
             if ar_tr is not None and ar_tr.stats is not None and tr.stats is not None:
@@ -235,9 +235,9 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
                 if a_s > 0 and m_s > 0:  # the speedups count decode only; say what the prefill does to the whole run
                     e2e = (f". Speedups and tokens/s count the decode only, as for every mode; prefill included, ar took "
                            f"{a_s:.2f} s and d3d-async {m_s:.2f} s ({a_s / m_s:.2f}×)")
-            parts.append(f"before the decode its drafter prefilled beside the target's prefill (it needs nothing from the "
-                         f"target), so on shared cores the target's prefill took {pre['target'].duration:.0f} ms{than}; "
-                         "the idle share counts from the end of both" + e2e)
+            parts.append(f"before the decode, its drafter read the prompt at the same time as the target did (it needs nothing "
+                         f"from the target); sharing the cores, the target's prefill took {pre['target'].duration:.0f} ms{than}. "
+                         "The decode (and the target's idle share of it) starts once both have finished" + e2e)
         out.append(f"{head}: " + "; ".join(parts) + "." if parts else head + ".")
     if not out:
         return ""

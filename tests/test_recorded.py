@@ -169,6 +169,12 @@ def test_the_timeline_says_what_the_prefill_does_to_the_whole_run():
     cap = figures.timeline_caption(trs)
     assert (f"prefill included, ar took {whole['ar']:.2f} s and d3d-async {whole['d3d-async']:.2f} s "
             f"({whole['ar'] / whole['d3d-async']:.2f}×)") in cap
+    # the prefill sentence in plain words (issue 46, the ninth reader's 13), its numbers from the spans
+    pre = {m: next(s for s in by[m].spans if s.kind == "prefill" and s.lane == "target").duration for m in ("d3d-seq", "d3d-async")}
+    assert (f"sharing the cores, the target's prefill took {pre['d3d-async']:.0f} ms, against {pre['d3d-seq']:.0f} ms for "
+            "d3d-seq's target, which read it alone. The decode (and the target's idle share of it) starts once both have "
+            "finished") in cap
+    assert "counts from the end of both" not in cap and "alone:" not in cap
 
 
 def test_every_drafting_column_says_rounds_times_tau_and_why_it_is_not_the_tokens_decoded():
