@@ -216,8 +216,10 @@ def test_the_async_column_says_its_drafts_hide_only_on_hits():
     state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
     cols = dict(zip(MODES, ui._columns(state)))
     ec = {e.mode: e for e in race_economics(trs)}
-    assert f"drafts hidden on hits only ({ec['d3d-async'].hit_rate:.0%})" in cols["d3d-async"]
+    assert f"drafts hidden on hits only: {ec['d3d-async'].hit_rate:.0%} of rounds" in cols["d3d-async"]
     assert "a miss drafts it after the verify" in cols["d3d-async"]  # the why, in its hover
+    # the ninth reader's 12: its hover says the Timeline's overlap share is another number, a share of the drafter's time
+    assert "overlap share is another number, a share of the drafter&#x27;s busy time" in cols["d3d-async"]
     assert all("hidden on hits only" not in cols[m] for m in MODES if m != "d3d-async")
     async_tr = next(t for t in trs if t.mode == "d3d-async")
     assert "hidden on hits only" in column_html(async_tr, {}, econ=ec["d3d-async"])
