@@ -7,6 +7,7 @@ process, outside any GPU window, and shared read-only. The GPU work of a race is
 
 from __future__ import annotations
 
+import html
 import os
 import sys
 import time
@@ -732,19 +733,26 @@ def upload_traces(file, state):
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
+# the recorded race's per-speedup range, in plain words on hover (the status line names it only as the rounds' spread)
+RESAMPLED_TIP = ("Each speedup's range is 10–90 % of that speedup recomputed many times over rounds drawn at random, with "
+                 "repeats, from this answer's own rounds (the mode's and ar's: a bootstrap): how much it hangs on which rounds "
+                 "this answer happened to have. Repeating the identical race varies only the timing, so its spread is narrower.")
+
+
 def recorded_note(meta: dict) -> str:
-    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's), and the
-    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range."""
+    """Where and when the recorded race ran, in short sentences (nothing ran here: its times are that machine's), and the
+    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range (explained on hover)."""
     spread = (meta.get("spread") or {}).get("d3d-seq")
     seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
     seq = [x for x in seq if x is not None]
-    runs_note = (f": the median of {len(meta['runs'])} identical races (d3d-seq {min(seq):.2f}–{max(seq):.2f}×, within "
-                 f"{spread:.0%}: timing noise between runs; the range after each speedup below is wider: how much it hangs on "
-                 "which rounds this answer had, 10–90 % over its resampled rounds)") if len(seq) > 1 and spread is not None else ""
+    runs_note = (f" It is the median of {len(meta['runs'])} identical races: d3d-seq read {min(seq):.2f}–{max(seq):.2f}× "
+                 f"across them (within {spread:.0%}: timing noise between runs). The wider range after each speedup below is "
+                 f"<span class='term' title='{html.escape(RESAMPLED_TIP)}'>its spread over this answer's rounds</span>."
+                 ) if len(seq) > 1 and spread is not None else ""
     tag = service.run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
                   meta.get("commit"))
-    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset{runs_note}. Its times are that "
-            "machine's; **▶ Run race** races here.")
+    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset. Nothing ran here: its times are that "
+            f"machine's, and **▶ Run race** races here.{runs_note}")
 
 
 def open_recorded(bundle, state):

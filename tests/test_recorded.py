@@ -2,6 +2,7 @@
 the Race tab's "📼 Recorded race" opens the shipped one in every tab; the presenter view enlarges the type."""
 
 import json
+import re
 import runpy
 
 import pytest
@@ -63,8 +64,13 @@ def test_the_recorded_race_opens_in_every_tab(toy_record, tmp_path, monkeypatch)
     assert tag in status and f'title="measured at commit {meta["commit"]}"' in tag and meta["date"] in tag
     assert status.count(meta["commit"]) == 1
     assert "that machine's" in status and "median of 2 identical races" in status
-    # the two uncertainties, told apart in one sentence: the repeated races' spread and each speedup's own range
-    assert "timing noise between runs" in status and "10–90 % over its resampled rounds" in status
+    # the two uncertainties, told apart in short sentences: the repeated races' spread and each speedup's own range, the
+    # latter's "resampled rounds" said in plain words on hover (issue 46, the ninth reader's 3)
+    assert "Nothing ran here" in status and "timing noise between runs" in status
+    assert "its spread over this answer's rounds</span>" in status and "resampled" not in status
+    assert "drawn at random, with repeats, from this answer&#x27;s own rounds" in status
+    head = re.sub(r"<[^>]+>", "", ui.recorded_note(meta))  # the note's sentences, without the hover text
+    assert max(len(s) for s in re.split(r"(?<=[.)])\s", head)) < 140, head
     assert set(st["traces"]) == set(MODES) and st["pieces"] and st["run"] is None
     assert all("d3d-col" in c for c in cols)
     load = race_load(list(st["traces"].values()))
