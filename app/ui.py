@@ -156,6 +156,18 @@ def output_check(state) -> str:
     return " · " + "; ".join(f"{m}: {w}" for m, (_, w) in got.items())
 
 
+def status_headline(e, define: bool = False) -> str:
+    """A mode's line on the status: ``EconomicsRow.headline`` with the break-even said as what a round must commit
+    (a round costs N ar steps, so it must commit more than N tokens, τ, to beat ar). Where the headline says why no
+    speedup is read (too short, no ar, flagged), that text is kept."""
+    if e.headline() == e.sentence():  # no speedup to explain: the reason, as the engine words it
+        return e.headline()
+    gate = f" The draft gate left {e.skipped / e.rounds:.0%} of rounds undrafted." if e.skipped else ""
+    tau_is, tau_as, be_is = (" (accepted drafts + the target's bonus)", " (τ)", ", its break-even τ") if define else ("", "", "")
+    return (f"{e.mode} is {e.speedup_label()} the speed of ar: a round costs {e.round_steps:.2f} ar steps, so it must commit "
+            f"more than {e.break_even_tau:.2f} tokens{tau_as} to beat ar{be_is}; it committed τ = {e.tau:.2f}{tau_is}.{gate}")
+
+
 def economics_sentences(state) -> str:
     """One sentence per drafting mode of the race: how fast it was against ar, and why; where dflash and a d3d mode
     both ran, the drafter-size confound between them."""
@@ -167,7 +179,7 @@ def economics_sentences(state) -> str:
                  for e in race_economics(trs) if e.mode != "ar" and e.rounds]
         return "\n".join(lines)
     econ = [e for e in race_economics(trs) if e.sentence()]
-    lines = [f"- {e.headline(define=i == 0)}" for i, e in enumerate(econ)]  # the first says what τ and break-even τ are
+    lines = [f"- {status_headline(e, define=i == 0)}" for i, e in enumerate(econ)]  # the first says what τ and break-even τ are
     by = {e.mode: e for e in econ}
     a, r = by.get("d3d-async"), verify_vs_seq(by.get("d3d-async"), by.get("d3d-seq"))
     if r is not None and r >= SHARED_CORES_SLOWER and not a.flags and a.speedup is not None:

@@ -256,8 +256,14 @@ def test_the_status_line_defines_tau_once_and_says_why_async_trails_seq():
     trs, _ = service.recorded_race("smollm2-135m")
     state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
     text = ui.economics_sentences(state).split("<details>")[0]
-    assert text.count("(accepted drafts + the target's bonus)") == 1 and text.count("(a round's cost in ar steps)") == 1
+    assert text.count("(accepted drafts + the target's bonus)") == 1 and text.count(", its break-even τ;") == 1
     ec = {e.mode: e for e in race_economics(trs)}
+    # a cost in steps is not set equal to a τ (issue 46, the ninth reader's 4): the round's cost, then what it must commit
+    assert "(a round's cost in ar steps)" not in text
+    for m in ("dflash", "d3d-seq", "d3d-async"):
+        e = ec[m]
+        assert (f"a round costs {e.round_steps:.2f} ar steps, so it must commit more than {e.break_even_tau:.2f} tokens"
+                + (" (τ)" if m == "dflash" else "") + " to beat ar") in text and f"it committed τ = {e.tau:.2f}" in text, m
     r = ec["d3d-async"].t_verify_ms / ec["d3d-seq"].t_verify_ms
     assert r >= 1.1 and f"its verify ran {r:.2f}× as long as d3d-seq's, beside the packed pass on the same cores" in text
 
