@@ -843,8 +843,9 @@ ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode p
                   "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
                   "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
                   "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
-                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
-                  "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
+                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run), and can "
+                  "come out above or below it: it adds ar's own bookkeeping (more), but its forwards read this prompt's context, "
+                  "often shorter than the fixed one (less), on this run's machine, which may have been faster or slower then. "
                   "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
                   "all H hypotheses in one forward, run during verify).")
 

@@ -342,6 +342,8 @@ def test_the_economics_note_says_the_last_rounds_cut_tokens_make_per_token_excee
     assert "decode time ÷ the tokens it printed" in n and "past the answer's end or the token limit are cut" in n
     assert "a little above round ÷ τ" in n and "commits fewer" not in n
     assert "Which τ is which" in ui.BENCH_TABLE_LABEL
+    # the ninth reader's 14: T_step against the Benchmarks step can go either way, and the note says why each way
+    assert "can come out above or below it" in n and "bookkeeping (more)" in n and "shorter than the fixed one (less)" in n
 
 
 def test_the_traces_tab_says_what_a_trace_holds_and_what_it_is_for():
