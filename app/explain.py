@@ -324,9 +324,11 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
             bench += (f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that "
                       "engine's bench (also the mean over its datasets)")
         draft = _span(whole, "d3d-seq", "draft")
+        probe_b = ((costs or {}).get("overlap") or {}).get("B", 8)  # the overlap probe's block (its draft fills B − 1 slots)
+        probe_ms = f" ({row['draft_ms']:.0f} ms)" if row else ""
         bench += (". Its τ counts the rounds the draft gate left undrafted as 1" + (", so it sits below 2 although every drafted "
                   "round keeps at least 2 tokens" if seq["tau"] < 2 else "") + (f"; and a draft in that bench took {draft:.0f} ms, more than the probe's one "
-                  "draft of 8, because behind the gate a draft first runs every token committed since the drafter's last "
+                  f"draft of a block of {probe_b} tokens{probe_ms}, because behind the gate a draft first runs every token committed since the drafter's last "
                   "draft through its 30 layers" if draft else "")
                   + ". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it."
                   + (f" (The overlap probe reads a 30-layer async round at {row['async_over_seq']:.2f}× d3d-seq's speed, but it "
