@@ -48,6 +48,8 @@ CSS = """
 .d3d-badge {font-family: system-ui, sans-serif; font-size: 13px; font-weight: 600; margin-top: 6px; cursor: help;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
 .info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
+/* what each preset button does: one compact line under them, set close to them */
+#preset-buttons {margin: -6px 0 -6px 0;} #preset-buttons p {font-size: 13px; line-height: 1.35; margin: 0; color: #333;}
 /* the presenter view (the 🖥 checkbox, or ?presenter in the address): type a back row can read on a projector */
 body.d3d-presenter .gradio-container {--text-xxs: 13px; --text-xs: 15px; --text-sm: 17px; --text-md: 19px; --text-lg: 21px;
     --text-xl: 26px; --text-xxl: 30px; --block-label-text-size: 17px; --block-info-text-size: 16px; --body-text-size: 19px;

@@ -8,6 +8,7 @@ process, outside any GPU window, and shared read-only. The GPU work of a race is
 from __future__ import annotations
 
 import html
+import json
 import os
 import sys
 import time
@@ -69,6 +70,9 @@ HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast
           "check) and the standalone **D3D** drafter, taking turns with the target (**d3d-seq**) or guessing the next block "
           "while the target checks this one (**d3d-async**). DFlash and D3D are named after their papers (*How it works › "
           "Words*); identical means on the same engine (the ✓ under each column checks).")
+# each preset button's hover text (lesson.PRESET_TIPS), set as its title once the page has loaded
+PRESET_TIPS_JS = ("() => { const tips = " + json.dumps(lesson.PRESET_TIPS) + "; for (const [id, tip] of Object.entries(tips)) "
+                  "{ const el = document.getElementById(id); if (el) el.title = tip; } return []; }")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -905,6 +909,7 @@ def build_demo() -> gr.Blocks:
                             pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair", min_width=110)
                             recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded", min_width=110)
                             presenter = gr.Checkbox(False, label="🖥 Presenter", elem_id="presenter", container=False, min_width=130)
+                        gr.Markdown(lesson.PRESET_BUTTONS, elem_id="preset-buttons")
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
@@ -1164,6 +1169,7 @@ def build_demo() -> gr.Blocks:
         rec_ev.then(lambda: health.line(health.snapshot(demo)), None, [health_md], api_name=False, queue=False)
         presenter.change(None, [presenter], None, js=PRESENTER_JS, api_name=False, queue=False)
         demo.load(None, None, [presenter], js="() => new URLSearchParams(window.location.search).has('presenter')", api_name=False)
+        demo.load(None, None, None, js=PRESET_TIPS_JS, api_name=False)  # each preset button's hover text
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine, pstate],
             race_outputs,
