@@ -91,8 +91,8 @@ PRESETS = {
 
 # what each preset button does, in one compact line under them (the first screen) and, longer, on hover (PRESET_TIPS:
 # the buttons' elem_id -> title, set in the browser at load; Gradio's Button has no tooltip of its own)
-PRESET_BUTTONS = ("**+ draft gate**, **+ adaptive verify**: the lesson plus one refinement each · **⚖ fair race**: both, on "
-                  "the faster int4 engine · **📼 Recorded race**: a race recorded on another machine, shown at once, nothing run")
+PRESET_BUTTONS = ("**+ draft gate**, **+ adaptive verify**: the lesson + one refinement each · **⚖ fair race**: both, on int4 "
+                  "· **📼 Recorded race**: a race run elsewhere, shown with nothing run")
 PRESET_TIPS = {
     "preset-lesson": "The first race: every round drafts, the target verifies every draft, fp32 engine (sets the controls; "
                      "then press ▶ Run race)",
@@ -109,7 +109,7 @@ PRESET_TIPS = {
 PRESET_NOTES = {
     "lesson": ("**Lesson: the textbook algorithm.** Every round drafts a block; the target verifies all of it in one forward "
                "(fp32 engine). Press **▶ Run race**, then step through rounds 0–3 in **Rounds**. Every mode prints exactly "
-               "ar's tokens (lossless: the same tokens, not better ones — the 135 M target's arithmetic is often wrong)."),
+               "ar's tokens, no better: the 135 M target's arithmetic is often wrong."),
     "gate": ("**Refinement 1: the draft gate** (Drafting: gated), on the hard case — a chat prompt where the drafter "
              "mostly misses. The gate skips the draft while drafting has lately earned less than a plain step (pale "
              "blue *no draft* rows in Rounds). Race it, then switch Drafting to *always* and race again: compare d3d-seq's speedup."),
