@@ -91,8 +91,8 @@ PRESETS = {
 
 # what each preset button does, in one compact line under them (the first screen) and, longer, on hover (PRESET_TIPS:
 # the buttons' elem_id -> title, set in the browser at load; Gradio's Button has no tooltip of its own)
-PRESET_BUTTONS = ("**+ draft gate**, **+ adaptive verify**: the lesson + one refinement each · **⚖ fair race**: both, on int4 "
-                  "· **📼 Recorded race**: a race run elsewhere, shown with nothing run")
+PRESET_BUTTONS = ("**+ draft gate**, **+ adaptive verify**: one refinement each · **⚖ fair race**: both, on int4 · "
+                  "**📼 Recorded race**: a race run elsewhere, nothing run here")
 PRESET_TIPS = {
     "preset-lesson": "The first race: every round drafts, the target verifies every draft, fp32 engine (sets the controls; "
                      "then press ▶ Run race)",
