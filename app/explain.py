@@ -38,7 +38,7 @@ forward pass. On a GPU at batch size 1 that pass is dominated by reading the wei
 costs {ver[1]['wall_ms']:.0f} ms and, in steps, {ratios}; a D3D draft costs
 {draft:.2f} steps (the cost of one one-token step, not a share of a verify). So with this table's costs ({engine} engine,
 **Benchmarks › Where the time goes**) a `d3d-seq` round of `B = 8` (a draft, then a verify of the whole block) costs
-{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps: it needs τ above about {v8 + draft:.1f} just
+{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps: it must commit more than {v8 + draft:.2f} tokens a round (τ) just
 to tie `ar` — which is why the engine's **verify plan** (section 2) checks only the drafts likely to pay. A race's own
 break-even τ (under each Race column, and in the **Timeline** tab's *Economics of this run*) differs: it divides the
 round that race paid by the `ar` step of the same race — another prompt, engine or machine, and each mode's own draft.
@@ -238,7 +238,7 @@ WORDS = """
 | **block diffusion** | drafting a whole block at once: the drafter fills `B − 1` *MASK slots* (placeholder positions) after the anchor in one pass, instead of one token per pass |
 | **hidden states / feature layers** | the target's internal vectors at some layers (its *residual stream*); DFlash's drafter reads them, D3D's does not |
 | **prefill** | the target's first forward over the whole prompt at once: it fills the KV cache and yields the first output token (pink in the Timeline); every mode starts with it, so tokens/s leave it out |
-| **`<|im_end|>`** | the model's end-of-answer token: printing it ends the answer (*finish = eos*) |
+| **<code>&lt;&#124;im_end&#124;&gt;</code>** | the model's end-of-answer token: printing it ends the answer (*finish = eos*) |
 | **gsm8k, mt_bench, …** | public benchmark prompt sets (school maths, multi-turn chat, code, …) the bench draws its prompts from |
 | **teacher forcing** | scoring drafts against the target's own continuation at fixed positions, without running the decode loop (how offline τ and training work) |
 | **healing** | a short re-training of a pruned drafter so the layers left make up for the removed ones (`prune --heal`) |
@@ -324,9 +324,11 @@ def depth(costs: Optional[dict], deep_benches: list = (), engine_bench: Optional
             bench += (f", where the 8-layer drafter's `d3d-seq` reached τ {eight['tau']:.2f} and {eight['speedup']:.2f}× in that "
                       "engine's bench (also the mean over its datasets)")
         draft = _span(whole, "d3d-seq", "draft")
+        probe_b = ((costs or {}).get("overlap") or {}).get("B", 8)  # the overlap probe's block (its draft fills B − 1 slots)
+        probe_ms = f" ({row['draft_ms']:.0f} ms)" if row else ""
         bench += (". Its τ counts the rounds the draft gate left undrafted as 1" + (", so it sits below 2 although every drafted "
                   "round keeps at least 2 tokens" if seq["tau"] < 2 else "") + (f"; and a draft in that bench took {draft:.0f} ms, more than the probe's one "
-                  "draft of 8, because behind the gate a draft first runs every token committed since the drafter's last "
+                  f"draft of a block of {probe_b} tokens{probe_ms}, because behind the gate a draft first runs every token committed since the drafter's last "
                   "draft through its 30 layers" if draft else "")
                   + ". On two cores each lane slows the other, and a draft as long as a verify cannot hide behind it."
                   + (f" (The overlap probe reads a 30-layer async round at {row['async_over_seq']:.2f}× d3d-seq's speed, but it "

@@ -226,7 +226,7 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
         seq_tr = by_mode.get("d3d-seq")
         seq_pre = next((s for s in seq_tr.spans if s.kind == "prefill" and s.lane == "target"), None) if seq_tr else None
         if "drafter" in pre and "target" in pre and pre["drafter"].t_start < pre["target"].t_end and not projected:
-            than = (f" (d3d-seq's, alone: {seq_pre.duration:.0f} ms)" if seq_pre is not None else "")
+            than = (f", against {seq_pre.duration:.0f} ms for d3d-seq's target, which read it alone" if seq_pre is not None else "")
             e2e = ""
             ar_tr = by_mode.get("ar")
             if ar_tr is not None and ar_tr.stats is not None and tr.stats is not None:
@@ -235,9 +235,9 @@ def timeline_caption(traces: list, projected: Optional[str] = None) -> str:
                 if a_s > 0 and m_s > 0:  # the speedups count decode only; say what the prefill does to the whole run
                     e2e = (f". Speedups and tokens/s count the decode only, as for every mode; prefill included, ar took "
                            f"{a_s:.2f} s and d3d-async {m_s:.2f} s ({a_s / m_s:.2f}×)")
-            parts.append(f"before the decode its drafter prefilled beside the target's prefill (it needs nothing from the "
-                         f"target), so on shared cores the target's prefill took {pre['target'].duration:.0f} ms{than}; "
-                         "the idle share counts from the end of both" + e2e)
+            parts.append(f"before the decode, its drafter read the prompt at the same time as the target did (it needs nothing "
+                         f"from the target); sharing the cores, the target's prefill took {pre['target'].duration:.0f} ms{than}. "
+                         "The decode (and the target's idle share of it) starts once both have finished" + e2e)
         out.append(f"{head}: " + "; ".join(parts) + "." if parts else head + ".")
     if not out:
         return ""
@@ -548,7 +548,7 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
     for i, (name, c) in enumerate(zip(STATE_NAMES, STATE_COLOURS)):  # legend with text labels
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=c, symbol="square"), name=name))
     fig.update_layout(
-        title=(f"{trace.mode}: rounds (✓ / ✗ = this round's hypotheses had / missed the NEXT round's block; · = last round)"
+        title=(f"{trace.mode}: rounds (next ✓ / next ✗: this round's hypotheses had / had not drafted the next round's block; · = last round)"
                if trace.mode == "d3d-async" else f"{trace.mode}: rounds"),
         yaxis=dict(autorange="reversed", title=None), xaxis=dict(side="top"), showlegend=True,
         legend=dict(orientation="h", y=-0.05), height=min(2400, max(320, 140 + 26 * len(rounds))), **LAYOUT,
@@ -561,7 +561,7 @@ def _verdict_mark(trace: Trace, r) -> str:
         return ""
     if r is trace.rounds[-1] and trace.finish_reason:
         return " ·"  # last round: its hypotheses were drafted, no next block was needed
-    return "" if r.hit is None else (" ✓" if r.hit else " ✗")
+    return "" if r.hit is None else (" next ✓" if r.hit else " next ✗")  # about the NEXT round's block, not this one's
 
 
 HYPOTHESES_NOTE = ("**score P(a,t)**: the drafter's own estimate that the verify accepts `a` drafts and its bonus is `t`. "
@@ -774,7 +774,8 @@ def diagram_pruning(curve: Optional[dict] = None) -> go.Figure:
                            font=dict(color=GREY if skipped else "black"))
     fig.add_annotation(x=n / 2, y=1.35, text="residual stream passes through a skipped layer: cheaper draft, maybe lower τ",
                        showarrow=False)
-    title = (f"Pruning drafter layers: the shipped pruning curve removes L{first[0]} first, then L{first[1]} (both skipped here)"
+    title = (f"Pruning, an example: the shipped pruning curve removes L{first[0]} first, then L{first[1]}, drawn skipped (a race keeps "
+              "every layer unless you race the drafter pruned)"
              if first else "Pruning drafter layers (a generic picture: which layers go is what the Pruning tab measures)")
     fig.update_layout(title=title, height=230, xaxis=dict(visible=False, range=[-0.2, n]),
                       yaxis=dict(visible=False, range=[-0.2, 1.6]), **LAYOUT)

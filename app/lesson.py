@@ -88,11 +88,28 @@ PRESETS = {
     "fair": dict(prompt=LESSON_PROMPT, block_size=8, hypotheses=4, max_new_tokens=176, temperature=0.0, sampling="match",
                  seed=0, verify="adaptive", drafting="gated", engine="int4"),
 }
+
+# what each preset button does, in one compact line under them (the first screen) and, longer, on hover (PRESET_TIPS:
+# the buttons' elem_id -> title, set in the browser at load; Gradio's Button has no tooltip of its own)
+PRESET_BUTTONS = ("**+ draft gate**, **+ adaptive verify**: one refinement each · **⚖ fair race**: both, on int4 · "
+                  "**📼 Recorded race**: a race run elsewhere, nothing run here")
+PRESET_TIPS = {
+    "preset-lesson": "The first race: every round drafts, the target verifies every draft, fp32 engine (sets the controls; "
+                     "then press ▶ Run race)",
+    "preset-gate": "The lesson plus the draft gate, on a chat prompt the drafter mostly misses: rounds where drafting has "
+                   "not paid lately skip the draft (sets the controls; then press ▶ Run race)",
+    "preset-adaptive": "The lesson plus the adaptive verify plan: verify only the drafts likely to pay, hold back the rest "
+                       "(sets the controls; then press ▶ Run race)",
+    "preset-fair": "Both refinements on the int4 engine, this app's fastest ar: the honest test of whether speculation pays "
+                   "here (sets the controls; then press ▶ Run race)",
+    "preset-recorded": "Shows the lesson race recorded on another machine (its times are that machine's) in every tab at "
+                       "once, without running anything here",
+}
+
 PRESET_NOTES = {
-    "lesson": ("**Lesson: the textbook algorithm.** Every round drafts a block and the target verifies all of it in one "
-               "forward, on the fp32 engine. Press **▶ Run race**, then step through rounds 0–3 in **Rounds**: a sentence "
-               "each on what was drafted, accepted and kept. The 135 M target's arithmetic is often wrong — every mode "
-               "prints exactly what it would print alone (lossless: the same tokens, not better ones)."),
+    "lesson": ("**Lesson: the textbook algorithm.** Every round drafts a block; the target verifies all of it in one forward "
+               "(fp32 engine). Press **▶ Run race**, then step through rounds 0–3 in **Rounds**. Every mode prints exactly "
+               "ar's tokens, no better: the 135 M target's arithmetic is often wrong."),
     "gate": ("**Refinement 1: the draft gate** (Drafting: gated), on the hard case — a chat prompt where the drafter "
              "mostly misses. The gate skips the draft while drafting has lately earned less than a plain step (pale "
              "blue *no draft* rows in Rounds). Race it, then switch Drafting to *always* and race again: compare d3d-seq's speedup."),

@@ -48,6 +48,8 @@ CSS = """
 .d3d-badge {font-family: system-ui, sans-serif; font-size: 13px; font-weight: 600; margin-top: 6px; cursor: help;}
 /* the help text under the Race controls: Gradio's default is small and light grey; make it readable */
 .info-text {font-size: 14px !important; color: #333 !important; line-height: 1.4 !important;}
+/* what each preset button does: one compact line under them, set close to them */
+#preset-buttons {margin: -6px 0 -6px 0;} #preset-buttons p {font-size: 13px; line-height: 1.35; margin: 0; color: #333;}
 /* the presenter view (the 🖥 checkbox, or ?presenter in the address): type a back row can read on a projector */
 body.d3d-presenter .gradio-container {--text-xxs: 13px; --text-xs: 15px; --text-sm: 17px; --text-md: 19px; --text-lg: 21px;
     --text-xl: 26px; --text-xxl: 30px; --block-label-text-size: 17px; --block-info-text-size: 16px; --body-text-size: 19px;
@@ -313,6 +315,8 @@ TIPS = {
     "verify": "the target's verify forwards (verify(k): one forward over k tokens, the anchor + k − 1 drafts)",
     "draft not hidden": "drafting the target had to wait for (d3d-async hides a hit's draft, which ran during the verify; after a "
                         "miss it drafts after the verify, in the open)",
+    "draft": "drafting time: this mode drafts, then verifies, so the target waits for every draft (it never drafts during a "
+             "verify; ar has no drafter)",
     "other": "time neither lane was busy: bookkeeping between forwards",
     "T_verify": "mean time of one verify",
     "T_draft": "mean time of one draft",
@@ -324,7 +328,10 @@ TIPS = {
 
 ASYNC_HIDDEN_TIP = ("a hit's next block was drafted in the packed pass beside the verify, hidden; a miss drafts it after "
                     "the verify while the target waits (draft not hidden). Where the two lanes share the CPU cores, the packed "
-                    "pass also slows the verify it runs beside, which shows in its verify time")
+                    "pass also slows the verify it runs beside, which shows in its verify time. This share counts rounds (those "
+                    "that made guesses and needed a next block). The Timeline's overlap share is another number, a share of the "
+                    "drafter's busy time (the part that ran during a verify): the packed pass runs beside every verify, hit or "
+                    "miss, so it is high even where few rounds hit")
 
 
 def _tip(term: str) -> str:
@@ -355,8 +362,10 @@ def whole_ms(total: float, parts) -> tuple:
 def _econ_html(e) -> str:
     """The run's economics in three short lines (ms from its own spans): per token and per round, each the sum of
     verify + draft not hidden + other, and break-even τ = round / T_step (T_step: ar's time per token in this race).
+    "draft not hidden" only where drafting can overlap a verify (d3d-async); a mode that never overlaps shows "draft".
     Each term carries its meaning as hover text."""
-    parts = f"{_term('verify')} {{}} + {_term('draft not hidden')} {{}} + {_term('other')} {{}}"
+    draft = _term("draft not hidden") if e.mode == "d3d-async" else _term("draft")
+    parts = f"{_term('verify')} {{}} + {draft} {{}} + {_term('other')} {{}}"
     t, p = whole_ms(e.per_token_ms, [e.verify_per_token_ms, e.draft_visible_per_token_ms, e.idle_per_token_ms])
     lines = [f"{_term('per token')} <b>{t} ms</b> = " + parts.format(*p)]
     if e.mode != "ar":
@@ -369,8 +378,8 @@ def _econ_html(e) -> str:
             c += f" · {_term('T_packed')} {e.t_packed_ms:.1f}"
         lines.append(c)
         if e.mode == "d3d-async" and e.hit_rate is not None:  # why an overlapping mode still shows drafting in the open
-            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts hidden on hits only '
-                         f"({e.hit_rate:.0%})</span>")
+            lines.append(f'<span class="term" title="{html.escape(ASYNC_HIDDEN_TIP)}">drafts hidden on hits only: '
+                         f"{e.hit_rate:.0%} of rounds</span>")
         if e.flags:
             # the first reason in the column; every reason in the hover (the banner above the tabs repeats them per mode)
             why = e.flags[0].split(":")[0]

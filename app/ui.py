@@ -7,6 +7,8 @@ process, outside any GPU window, and shared read-only. The GPU work of a race is
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import sys
 import time
@@ -68,6 +70,9 @@ HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast
           "check) and the standalone **D3D** drafter, taking turns with the target (**d3d-seq**) or guessing the next block "
           "while the target checks this one (**d3d-async**). DFlash and D3D are named after their papers (*How it works › "
           "Words*); identical means on the same engine (the ✓ under each column checks).")
+# each preset button's hover text (lesson.PRESET_TIPS), set as its title once the page has loaded
+PRESET_TIPS_JS = ("() => { const tips = " + json.dumps(lesson.PRESET_TIPS) + "; for (const [id, tip] of Object.entries(tips)) "
+                  "{ const el = document.getElementById(id); if (el) el.title = tip; } return []; }")
 # the presenter view: larger type everywhere (tokens.CSS holds the rules under body.d3d-presenter); ?presenter opens in it
 PRESENTER_JS = "(on) => { document.body.classList.toggle('d3d-presenter', !!on); return []; }"
 STREAM_EVERY_S = 0.25  # redraw the race columns at most this often (no flicker)
@@ -155,6 +160,18 @@ def output_check(state) -> str:
     return " · " + "; ".join(f"{m}: {w}" for m, (_, w) in got.items())
 
 
+def status_headline(e, define: bool = False) -> str:
+    """A mode's line on the status: ``EconomicsRow.headline`` with the break-even said as what a round must commit
+    (a round costs N ar steps, so it must commit more than N tokens, τ, to beat ar). Where the headline says why no
+    speedup is read (too short, no ar, flagged), that text is kept."""
+    if e.headline() == e.sentence():  # no speedup to explain: the reason, as the engine words it
+        return e.headline()
+    gate = f" The draft gate left {e.skipped / e.rounds:.0%} of rounds undrafted." if e.skipped else ""
+    tau_is, tau_as, be_is = (" (accepted drafts + the target's bonus)", " (τ)", ", its break-even τ") if define else ("", "", "")
+    return (f"{e.mode} is {e.speedup_label()} the speed of ar: a round costs {e.round_steps:.2f} ar steps, so it must commit "
+            f"more than {e.break_even_tau:.2f} tokens{tau_as} to beat ar{be_is}; it committed τ = {e.tau:.2f}{tau_is}.{gate}")
+
+
 def economics_sentences(state) -> str:
     """One sentence per drafting mode of the race: how fast it was against ar, and why; where dflash and a d3d mode
     both ran, the drafter-size confound between them."""
@@ -166,7 +183,7 @@ def economics_sentences(state) -> str:
                  for e in race_economics(trs) if e.mode != "ar" and e.rounds]
         return "\n".join(lines)
     econ = [e for e in race_economics(trs) if e.sentence()]
-    lines = [f"- {e.headline(define=i == 0)}" for i, e in enumerate(econ)]  # the first says what τ and break-even τ are
+    lines = [f"- {status_headline(e, define=i == 0)}" for i, e in enumerate(econ)]  # the first says what τ and break-even τ are
     by = {e.mode: e for e in econ}
     a, r = by.get("d3d-async"), verify_vs_seq(by.get("d3d-async"), by.get("d3d-seq"))
     if r is not None and r >= SHARED_CORES_SLOWER and not a.flags and a.speedup is not None:
@@ -208,12 +225,14 @@ def _source_words(r, mode: str = "") -> str:
 
 
 def _position_words(tr, r) -> str:
-    """What round ``r``'s anchor position counts: the tokens before it, the prompt's and the output's so far."""
+    """What round ``r``'s anchor position counts: positions count from 0, so it is the number of tokens before the anchor,
+    the prompt's and the output's so far; the anchor itself is the newest committed output token."""
     prompt = len(tr.prompt_ids or [])
+    which = "the token the prefill produced" if r.index == 0 else "the previous round's bonus"
     if not prompt or r.anchor_pos < prompt:
-        return f"position {r.anchor_pos} (the tokens before it: the prompt's and the output's so far)"
-    return (f"position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + {r.anchor_pos - prompt} of the "
-            "output so far)")
+        return f"position {r.anchor_pos} (counting from 0: the tokens before it, the prompt's and the output's so far)"
+    return (f"position {r.anchor_pos} (counting from 0; before it: {prompt} prompt + {r.anchor_pos - prompt} output tokens; "
+            f"the anchor is the newest committed token, {which})")
 
 
 def _rounds_view(state, mode, idx):
@@ -232,12 +251,13 @@ def _rounds_view(state, mode, idx):
             f"**Round {idx}** of {n}: 1 token committed\n\n" + lesson.round_sentence(r, state["pieces"], mode))
     cap = (f"**Round {idx}** of {n}: anchor at {_position_words(tr, r)}, {len(r.draft_ids)} drafts verified{held}, "
            f"**{r.accepted} accepted** + bonus → {len(r.committed)} tokens committed"
-           + (f" · {_source_words(r, mode)}" if r.draft_source else ""))
+           + (f" · **this block:** {_source_words(r, mode)}" if r.draft_source else ""))
     if idx == n - 1 and r.hypotheses:
-        cap += (" · last round: the decode ended here, so no next block was needed — its hypotheses get no verdict "
-                "and do not count in the hit rate")
+        cap += (" · **next block:** none needed, the decode ended here (this round's hypotheses get no verdict "
+                "and do not count in the hit rate)")
     elif r.hit is not None:
-        cap += " · hypotheses: " + ("**hit ✓** (next block already drafted)" if r.hit else "**miss ✗** (next block drafted synchronously)")
+        cap += " · **next block:** " + ("ready ✓ (one of this round's hypotheses had drafted it during this verify)" if r.hit else
+                                       "not ready ✗ (no hypothesis matched this verify: drafted after it, while the target waited)")
         if r.hit and r.accepted == 0:
             cap += " — a hit with a = 0: no draft was accepted, but the hypothesis (0, bonus) guessed the target's token, so the next block was still ready"
     cap += "\n\n" + lesson.round_sentence(r, state["pieces"], mode)
@@ -729,19 +749,26 @@ def upload_traces(file, state):
             tl, summ, acc, econ_fig, econ_tab, gr.update(choices=ran, value=ran[-1]), state, gr.update(maximum=max(1, _nrounds(state, ran[-1]) - 1), value=max(0, _nrounds(state, ran[-1]) - 1)))
 
 
+# the recorded race's per-speedup range, in plain words on hover (the status line names it only as the rounds' spread)
+RESAMPLED_TIP = ("Each speedup's range is 10–90 % of that speedup recomputed many times over rounds drawn at random, with "
+                 "repeats, from this answer's own rounds (the mode's and ar's: a bootstrap): how much it hangs on which rounds "
+                 "this answer happened to have. Repeating the identical race varies only the timing, so its spread is narrower.")
+
+
 def recorded_note(meta: dict) -> str:
-    """Where and when the recorded race ran, in one sentence (its times are that machine's, not this one's), and the
-    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range."""
+    """Where and when the recorded race ran, in short sentences (nothing ran here: its times are that machine's), and the
+    two uncertainties a reader sees: the spread of the repeated races and each speedup's own range (explained on hover)."""
     spread = (meta.get("spread") or {}).get("d3d-seq")
     seq = [r["modes"].get("d3d-seq", {}).get("speedup") for r in meta.get("runs") or []]
     seq = [x for x in seq if x is not None]
-    runs_note = (f": the median of {len(meta['runs'])} identical races (d3d-seq {min(seq):.2f}–{max(seq):.2f}×, within "
-                 f"{spread:.0%}: timing noise between runs; the range after each speedup below is wider: how much it hangs on "
-                 "which rounds this answer had, 10–90 % over its resampled rounds)") if len(seq) > 1 and spread is not None else ""
+    runs_note = (f" It is the median of {len(meta['runs'])} identical races: d3d-seq read {min(seq):.2f}–{max(seq):.2f}× "
+                 f"across them (within {spread:.0%}: timing noise between runs). The wider range after each speedup below is "
+                 f"<span class='term' title='{html.escape(RESAMPLED_TIP)}'>its spread over this answer's rounds</span>."
+                 ) if len(seq) > 1 and spread is not None else ""
     tag = service.run_tag(meta.get("date"), meta.get("cpu"), meta.get("cores"), meta.get("engine") and f"{meta['engine']} engine",
                   meta.get("commit"))
-    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset{runs_note}. Its times are that "
-            "machine's; **▶ Run race** races here.")
+    return (f"📼 **Recorded race** {tag}, the {meta.get('preset', 'lesson')} preset. Nothing ran here: its times are that "
+            f"machine's, and **▶ Run race** races here.{runs_note}")
 
 
 def open_recorded(bundle, state):
@@ -801,6 +828,15 @@ PRUNING_INTRO = ("Untick drafter layers to skip them: a skipped layer adds nothi
                  "*What pruning trades* says why).")
 
 
+# the Traces tab: what a trace file holds (d3d_core.decoding.trace.Trace) and what it is for (upload_traces reads it back)
+TRACES_INTRO = ("**A trace** is the whole record of a race, one per mode: the prompt and settings; every round's anchor, drafts "
+                "(with the drafter's probabilities), the target's tokens, accepted count and bonus (d3d-async: its hypotheses "
+                "too); each forward's start and end on the target and drafter lanes; the stats and the machine's load. The race's "
+                "columns, Timeline, Acceptance and Rounds are drawn from it alone.\n\n**What for:** keep or share a race. "
+                "*Prepare download* writes this session's race to one JSON file; uploading one (or a race exported as HTML "
+                "on the Race tab) shows that race again in those tabs, with nothing run.")
+
+
 # the Timeline's Economics of this run: what its bars, column lines and table mean
 ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode pays its decode time ÷ the tokens it printed "
                   "(about one round ÷ τ: a round commits a + 1 tokens, `a` accepted drafts + the bonus; the last round's tokens past "
@@ -811,8 +847,9 @@ ECONOMICS_NOTE = ("**Economics of this run.** Per output token a drafting mode p
                   "time per token, and per round they add up to the round. *T_step* is what `ar` paid per token in this race; "
                   "*break-even τ* = round ÷ T_step, the τ at which the mode, with these round costs, would tie `ar` here "
                   "(the same number as \"a round costs N ar steps\"). This T_step differs from the "
-                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run): it also holds "
-                  "ar's own bookkeeping, this prompt's context and whatever else the machine did meanwhile. "
+                  "Benchmarks tab's *step* (one forward alone, at a fixed context, on a quiet machine, in another run), and can "
+                  "come out above or below it: it adds ar's own bookkeeping (more), but its forwards read this prompt's context, "
+                  "often shorter than the fixed one (less), on this run's machine, which may have been faster or slower then. "
                   "The table has one column per mode; its times are means over the run (*T_packed*: d3d-async's drafts for "
                   "all H hypotheses in one forward, run during verify).")
 
@@ -872,6 +909,7 @@ def build_demo() -> gr.Blocks:
                             pre_fair = gr.Button("⚖ fair race (int4)", size="sm", elem_id="preset-fair", min_width=110)
                             recorded_btn = gr.Button("📼 Recorded race", size="sm", elem_id="preset-recorded", min_width=110)
                             presenter = gr.Checkbox(False, label="🖥 Presenter", elem_id="presenter", container=False, min_width=130)
+                        gr.Markdown(lesson.PRESET_BUTTONS, elem_id="preset-buttons")
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
                         engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
@@ -1110,7 +1148,7 @@ def build_demo() -> gr.Blocks:
                     with gr.Tab("Words", id="explain-words"):
                         gr.Markdown(explain.WORDS)
             with gr.Tab("Traces", id="traces"):
-                gr.Markdown("Download this session's traces as JSON, or upload a trace file to view it in every tab.")
+                gr.Markdown(TRACES_INTRO)
                 dl_btn = gr.Button("Prepare download")
                 dl_file = gr.File(label="Traces JSON", interactive=False)
                 up_file = gr.File(label="Upload a trace JSON (or an exported race HTML)", file_types=[".json", ".html"], type="filepath")
@@ -1131,6 +1169,7 @@ def build_demo() -> gr.Blocks:
         rec_ev.then(lambda: health.line(health.snapshot(demo)), None, [health_md], api_name=False, queue=False)
         presenter.change(None, [presenter], None, js=PRESENTER_JS, api_name=False, queue=False)
         demo.load(None, None, [presenter], js="() => new URLSearchParams(window.location.search).has('presenter')", api_name=False)
+        demo.load(None, None, None, js=PRESET_TIPS_JS, api_name=False)  # each preset button's hover text
         run_ev = run_btn.click(
             run_race, [prompt, bundle, modes, block, temp, max_new, hyps, sampling, seed, verify, drafting, use_pruned, state, d3d_pick, engine, pstate],
             race_outputs,

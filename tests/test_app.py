@@ -342,3 +342,24 @@ def test_the_economics_note_says_the_last_rounds_cut_tokens_make_per_token_excee
     assert "decode time ÷ the tokens it printed" in n and "past the answer's end or the token limit are cut" in n
     assert "a little above round ÷ τ" in n and "commits fewer" not in n
     assert "Which τ is which" in ui.BENCH_TABLE_LABEL
+    # the ninth reader's 14: T_step against the Benchmarks step can go either way, and the note says why each way
+    assert "can come out above or below it" in n and "bookkeeping (more)" in n and "shorter than the fixed one (less)" in n
+
+
+def test_the_traces_tab_says_what_a_trace_holds_and_what_it_is_for():
+    """Issue 46, the ninth reader's 25: the Traces tab said only "Prepare download"; its text names what the file holds
+    (each named part is a field of the Trace) and that uploading one shows that race again without running anything."""
+    import dataclasses
+
+    from app import ui
+    from d3d_core.decoding.trace import Round, Trace
+
+    fields = {f.name for f in dataclasses.fields(Trace)} | {f.name for f in dataclasses.fields(Round)}
+    for said, field in (("every round's anchor", "anchor_id"), ("drafts", "draft_ids"), ("drafter's probabilities", "draft_probs"),
+                        ("the target's tokens", "target_ids"), ("accepted count", "accepted"), ("bonus", "bonus"),
+                        ("hypotheses", "hypotheses"), ("each forward's start and end", "spans"), ("the stats", "stats"),
+                        ("machine's load", "load"), ("settings", "config")):
+        assert said in ui.TRACES_INTRO and field in fields, (said, field)
+    assert "with nothing run" in ui.TRACES_INTRO and "exported as HTML" in ui.TRACES_INTRO
+    src = (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
+    assert 'with gr.Tab("Traces", id="traces"):\n                gr.Markdown(TRACES_INTRO)' in src

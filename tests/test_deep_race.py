@@ -50,6 +50,10 @@ def test_the_deeper_drafter_section_quotes_the_shipped_deep_bench_beside_the_sam
     assert "overlap probe reads" not in s
     probe = {"overlap": {"B": 8, "rows": [{"depth": 30, "draft_ms": 77.0, "verify_ms": 105.0, "async_over_seq": 1.126}]}}
     assert "a 30-layer async round at 1.13× d3d-seq's speed" in explain.depth(probe, [whole], eight)
+    # "one draft of 8" read as 8 tokens or 8 layers (the ninth reader's 21): the probe's draft is of a block of B tokens
+    slow = _bench("", 2.9, 0.80, 168.0)
+    assert "a draft in that bench took 168 ms, more than the probe's one draft of a block of 8 tokens (77 ms)" in explain.depth(probe, [slow])
+    assert "draft of 8," not in explain.depth(probe, [slow])
 
 
 def test_a_pruned_draft_that_read_slower_is_not_called_a_saving():

@@ -207,6 +207,9 @@ def test_the_pruning_picture_skips_what_the_shipped_curve_removes_first():
     f = figures.diagram_pruning(curve)
     first = [f"L{i}" for i in curve["order"][:2]]
     assert skipped(f) == sorted(first, key=lambda x: int(x[1:])) and f"removes {first[0]} first, then {first[1]}" in f.layout.title.text
+    # an example of what skipping looks like, not this race's drafter (the Pruning tab starts with every layer ticked)
+    assert "an example" in f.layout.title.text and "skipped here" not in f.layout.title.text
+    assert "a race keeps every layer unless you race the drafter pruned" in f.layout.title.text
     g = figures.diagram_pruning({"layers": 8, "order": [6, 1]})
     assert skipped(g) == ["L1", "L6"]
     assert "generic picture" in figures.diagram_pruning().layout.title.text and len(skipped(figures.diagram_pruning())) == 2
@@ -684,8 +687,10 @@ def test_column_costs_add_up_as_printed(traces, pieces):
     ec = {e.mode: e for e in race_economics(traces)}
     for tr in traces:
         col = re.sub(r"<[^>]+>", "", column_html(tr, pieces, tr.mode, econ=ec.get(tr.mode)))
-        sums = re.findall(r"(?:per token|round) (\d+) ms = verify (\d+) \+ draft not hidden (\d+) \+ other (\d+)", col)
+        sums = re.findall(r"(?:per token|round) (\d+) ms = verify (\d+) \+ draft(?: not hidden)? (\d+) \+ other (\d+)", col)
         assert sums, (tr.mode, col[-400:])
+        # "not hidden" only where a draft can be hidden (issue 46, the ninth reader's 6): a mode that never overlaps says "draft"
+        assert ("draft not hidden" in col) == (tr.mode == "d3d-async"), (tr.mode, col[-400:])
         for total, *parts in sums:
             assert int(total) == sum(map(int, parts)), (tr.mode, total, parts)
 
@@ -700,6 +705,33 @@ def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
     assert not service.block_sweep_stale("toy")
 
 
+def test_the_how_it_works_tables_render_every_row_with_the_header_s_cells():
+    """A `|` inside a cell (``<|im_end|>``) splits a Markdown table row, code span or not (a renderer then drops the
+    cells past the header's): every row has as many cells as its table's header, and the end-of-answer token's row
+    renders as one term and its meaning."""
+    import html
+    import re
+
+    from markdown_it import MarkdownIt
+
+    from app import explain
+
+    for name in ("GLOSSARY", "WORDS", "QUESTIONS", "WHICH_TAU"):
+        width = None
+        for line in getattr(explain, name).splitlines():
+            if not line.startswith("|"):
+                width = None  # a table ends at its first line that is not a row
+                continue
+            cells = len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+            width = width or cells
+            assert cells == width, (name, line)
+    page = MarkdownIt("commonmark").enable("table").render(explain.WORDS)
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", page, flags=re.S) if "im_end" in r)
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)]
+    assert len(cells) == 2 and cells[0] == "<|im_end|>", cells
+    assert "end-of-answer token" in cells[1]
+
+
 def test_how_it_works_says_where_its_break_even_comes_from_and_the_glossary_covers_the_bench_columns():
     from app import explain
     from d3d_core import service
@@ -710,7 +742,8 @@ def test_how_it_works_says_where_its_break_even_comes_from_and_the_glossary_cove
     v8 = round(by["verify(8)"]["per_step"], 2)
     draft = round(next(r for r in by.values() if r["forward"].startswith("d3d draft"))["per_step"], 2)
     text = explain.intro(costs)
-    assert f"{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps" in text and f"about {v8 + draft:.1f}" in text
+    assert f"{v8:.2f} + {draft:.2f} = {v8 + draft:.2f} steps" in text and f"more than {v8 + draft:.2f} tokens" in text
+    assert "about" not in text.split("steps:")[1].split("tie")[0]  # the same number as the sum, not a rounded one
     assert "fp32 engine" in text and "Where the time goes" in text and "A race's own" in text
     for term in ("**skipped**", "**lossless_rate**", "**overlap share**", "the Benchmarks table's *overlap*",
                  "**machine bound**", "**score P(a,t)**"):

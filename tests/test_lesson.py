@@ -96,3 +96,21 @@ def test_the_lesson_prompt_finishes_its_answer_on_the_real_bundle(smollm):
     with engine(smollm.target, lesson.PRESETS["lesson"]["engine"] if lesson.PRESETS["lesson"]["engine"] != "fp32" else "fast"):
         tr = decode(smollm, lesson.LESSON_PROMPT, DecodeConfig(mode="ar", max_new_tokens=lesson.PRESETS["lesson"]["max_new_tokens"]))
     assert tr.finish_reason == "eos", (len(tr.output_ids), smollm.tokenizer.decode(tr.output_ids)[-120:])
+
+
+def test_the_first_screen_says_what_each_preset_button_does():
+    """Issue 46, the ninth reader's 2: the preset buttons are named under them in one compact line, each with a hover
+    text (its title, set at load); the recorded race says it shows a race without running anything."""
+    import json
+
+    from app import ui
+
+    demo = ui.build_demo()
+    by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+    assert by_id["preset-buttons"].value == lesson.PRESET_BUTTONS
+    for elem_id, tip in lesson.PRESET_TIPS.items():
+        label = by_id[elem_id].value  # every tip belongs to a button of the page, named in the line (but the lesson's own)
+        assert tip and (elem_id == "preset-lesson" or label.split(" (")[0] in lesson.PRESET_BUTTONS), (elem_id, label)
+    assert "nothing run" in lesson.PRESET_BUTTONS and "without running anything" in lesson.PRESET_TIPS["preset-recorded"]
+    assert json.dumps(lesson.PRESET_TIPS) in ui.PRESET_TIPS_JS and "el.title = tip" in ui.PRESET_TIPS_JS
+    assert len(lesson.PRESET_BUTTONS) < 220  # one compact line: the Race tab must stay under 2,000 px

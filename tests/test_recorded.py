@@ -2,6 +2,7 @@
 the Race tab's "📼 Recorded race" opens the shipped one in every tab; the presenter view enlarges the type."""
 
 import json
+import re
 import runpy
 
 import pytest
@@ -63,8 +64,13 @@ def test_the_recorded_race_opens_in_every_tab(toy_record, tmp_path, monkeypatch)
     assert tag in status and f'title="measured at commit {meta["commit"]}"' in tag and meta["date"] in tag
     assert status.count(meta["commit"]) == 1
     assert "that machine's" in status and "median of 2 identical races" in status
-    # the two uncertainties, told apart in one sentence: the repeated races' spread and each speedup's own range
-    assert "timing noise between runs" in status and "10–90 % over its resampled rounds" in status
+    # the two uncertainties, told apart in short sentences: the repeated races' spread and each speedup's own range, the
+    # latter's "resampled rounds" said in plain words on hover (issue 46, the ninth reader's 3)
+    assert "Nothing ran here" in status and "timing noise between runs" in status
+    assert "its spread over this answer's rounds</span>" in status and "resampled" not in status
+    assert "drawn at random, with repeats, from this answer&#x27;s own rounds" in status
+    head = re.sub(r"<[^>]+>", "", ui.recorded_note(meta))  # the note's sentences, without the hover text
+    assert max(len(s) for s in re.split(r"(?<=[.)])\s", head)) < 140, head
     assert set(st["traces"]) == set(MODES) and st["pieces"] and st["run"] is None
     assert all("d3d-col" in c for c in cols)
     load = race_load(list(st["traces"].values()))
@@ -169,6 +175,12 @@ def test_the_timeline_says_what_the_prefill_does_to_the_whole_run():
     cap = figures.timeline_caption(trs)
     assert (f"prefill included, ar took {whole['ar']:.2f} s and d3d-async {whole['d3d-async']:.2f} s "
             f"({whole['ar'] / whole['d3d-async']:.2f}×)") in cap
+    # the prefill sentence in plain words (issue 46, the ninth reader's 13), its numbers from the spans
+    pre = {m: next(s for s in by[m].spans if s.kind == "prefill" and s.lane == "target").duration for m in ("d3d-seq", "d3d-async")}
+    assert (f"sharing the cores, the target's prefill took {pre['d3d-async']:.0f} ms, against {pre['d3d-seq']:.0f} ms for "
+            "d3d-seq's target, which read it alone. The decode (and the target's idle share of it) starts once both have "
+            "finished") in cap
+    assert "counts from the end of both" not in cap and "alone:" not in cap
 
 
 def test_every_drafting_column_says_rounds_times_tau_and_why_it_is_not_the_tokens_decoded():
@@ -210,8 +222,10 @@ def test_the_async_column_says_its_drafts_hide_only_on_hits():
     state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
     cols = dict(zip(MODES, ui._columns(state)))
     ec = {e.mode: e for e in race_economics(trs)}
-    assert f"drafts hidden on hits only ({ec['d3d-async'].hit_rate:.0%})" in cols["d3d-async"]
+    assert f"drafts hidden on hits only: {ec['d3d-async'].hit_rate:.0%} of rounds" in cols["d3d-async"]
     assert "a miss drafts it after the verify" in cols["d3d-async"]  # the why, in its hover
+    # the ninth reader's 12: its hover says the Timeline's overlap share is another number, a share of the drafter's time
+    assert "overlap share is another number, a share of the drafter&#x27;s busy time" in cols["d3d-async"]
     assert all("hidden on hits only" not in cols[m] for m in MODES if m != "d3d-async")
     async_tr = next(t for t in trs if t.mode == "d3d-async")
     assert "hidden on hits only" in column_html(async_tr, {}, econ=ec["d3d-async"])
@@ -225,9 +239,13 @@ def test_the_rounds_caption_says_what_the_position_counts_and_why_round_0_was_no
         r = by[mode].rounds[1]
         prompt = len(by[mode].prompt_ids)
         cap = ui._rounds_view(state, mode, 1)[2]
-        assert (f"anchor at position {r.anchor_pos} (the tokens before it: {prompt} of the prompt + "
-                f"{r.anchor_pos - prompt} of the output so far)") in cap
+        assert (f"anchor at position {r.anchor_pos} (counting from 0; before it: {prompt} prompt + "
+                f"{r.anchor_pos - prompt} output tokens; the anchor is the newest committed token, the previous round's bonus)") in cap
     first = ui._rounds_view(state, "d3d-async", 0)[2]
+    # round 0's anchor is output too (the prefill's token): the caption says it is not counted among the tokens before it
+    r0 = by["d3d-async"].rounds[0]
+    assert (f"position {r0.anchor_pos} (counting from 0; before it: {len(by['d3d-async'].prompt_ids)} prompt + 0 output tokens; "
+            "the anchor is the newest committed token, the token the prefill produced)") in first
     assert "in round 0 nothing could be drafted ahead, because no verify had started yet" in first
     assert "nothing could be drafted ahead" not in ui._rounds_view(state, "d3d-seq", 0)[2]
 
@@ -238,7 +256,32 @@ def test_the_status_line_defines_tau_once_and_says_why_async_trails_seq():
     trs, _ = service.recorded_race("smollm2-135m")
     state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
     text = ui.economics_sentences(state).split("<details>")[0]
-    assert text.count("(accepted drafts + the target's bonus)") == 1 and text.count("(a round's cost in ar steps)") == 1
+    assert text.count("(accepted drafts + the target's bonus)") == 1 and text.count(", its break-even τ;") == 1
     ec = {e.mode: e for e in race_economics(trs)}
+    # a cost in steps is not set equal to a τ (issue 46, the ninth reader's 4): the round's cost, then what it must commit
+    assert "(a round's cost in ar steps)" not in text
+    for m in ("dflash", "d3d-seq", "d3d-async"):
+        e = ec[m]
+        assert (f"a round costs {e.round_steps:.2f} ar steps, so it must commit more than {e.break_even_tau:.2f} tokens"
+                + (" (τ)" if m == "dflash" else "") + " to beat ar") in text and f"it committed τ = {e.tau:.2f}" in text, m
     r = ec["d3d-async"].t_verify_ms / ec["d3d-seq"].t_verify_ms
     assert r >= 1.1 and f"its verify ran {r:.2f}× as long as d3d-seq's, beside the packed pass on the same cores" in text
+
+
+def test_the_rounds_header_labels_this_block_and_the_next_block_apart():
+    """Issue 46, the ninth reader's 8: where a round's own block came from and whether its hypotheses had the NEXT block
+    ready are two verdicts, each labelled; the grid's row marks say "next" too."""
+    from app import figures
+
+    trs, _ = service.recorded_race("smollm2-135m")
+    state = dict(ui.empty_state(), traces={t.mode: t for t in trs})
+    tr = next(t for t in trs if t.mode == "d3d-async")
+    hit = next(i for i, r in enumerate(tr.rounds[:-1]) if r.hit and not r.skipped)
+    miss = next(i for i, r in enumerate(tr.rounds[:-1]) if r.hit is False and not r.skipped)
+    for i, verdict in ((hit, "**next block:** ready ✓"), (miss, "**next block:** not ready ✗")):
+        cap = ui._rounds_view(state, "d3d-async", i)[2]
+        assert "**this block:** " in cap and verdict in cap and "hypotheses: **" not in cap, cap
+        assert cap.index("**this block:**") < cap.index("**next block:**")
+    assert "**next block:** none needed" in ui._rounds_view(state, "d3d-async", len(tr.rounds) - 1)[2]
+    labels = list(figures.rounds_grid_figure(tr, {}).data[0].y)
+    assert labels[hit] == f"r{hit} next ✓" and labels[miss] == f"r{miss} next ✗"
