@@ -114,19 +114,32 @@ def engines_text(engines: Optional[dict], benches: dict, dataset: str = "gsm8k")
     if sp:
         parts.append(f"d3d-seq's speedup over the same engine's ar on {dataset} is " + ", ".join(sp)
                      + ": the faster the baseline, the larger the share of a round the drafts and the fixed per-forward costs take")
-    gaps = []
+    gaps, elsewhere = [], []
     for e, b in benches.items():  # the same ar in two runs: the bench's yardstick beside the engines run's ar alone
         s, alone = b and _summary_row(b, "average", "ar"), run.get(e, {}).get("tokens_per_s")
         if s and s.get("tokens_per_s") and alone:
-            gaps.append((ENGINE_NAMES.get(e, e), s["tokens_per_s"], alone))
+            if same_machine(b, engines):
+                gaps.append((ENGINE_NAMES.get(e, e), s["tokens_per_s"], alone))
+            else:  # another VM or host: its ar is that machine's, no gap to read
+                elsewhere.append(f"{s['tokens_per_s']:.1f} tok/s on {ENGINE_NAMES.get(e, e)} (a run on another machine, "
+                                 f"{(b.get('machine') or {}).get('date', 'date unknown')}: not set against this engines run)")
     text = ". ".join(parts) + "." if parts else ""
-    if gaps:  # a second paragraph: which ar the bars' speedups are against
+    if gaps or elsewhere:  # a second paragraph: which ar the bars' speedups are against
         notes = [f"The {ENGINE_NAMES.get(e, e)} bench was {b['note']}." for e, b in benches.items() if b and b.get("note")]
         text += ("\n\n**Which ar the bars are against.** Each bar's speedup is against its own bench's ar, which ran beside the "
                  "drafting modes. Averaged over the bench's datasets (the bars show " + dataset + " alone) that ar read "
-                 + ", ".join(f"{t:.1f} tok/s on {n} ({t / a - 1:+.0%} against the engines run's {a:.1f})" for n, t, a in gaps)
-                 + ". Against ar as fast as the engines run's, the speedups would be smaller by that share. " + " ".join(notes))
+                 + ", ".join([f"{t:.1f} tok/s on {n} ({t / a - 1:+.0%} against the engines run's {a:.1f})" for n, t, a in gaps]
+                             + elsewhere)
+                 + (". Against ar as fast as the engines run's, the speedups would be smaller by that share. " if gaps else ". ")
+                 + " ".join(notes))
     return text.strip()
+
+
+def same_machine(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Did two shipped runs come from one machine? Their recorded platform strings (OS build, which names the VM image)
+    and CPU agree; a run without them counts as the same (older files recorded less)."""
+    ma, mb = (a or {}).get("machine") or {}, (b or {}).get("machine") or {}
+    return all(ma.get(k) is None or mb.get(k) is None or ma.get(k) == mb.get(k) for k in ("platform", "cpu"))
 
 
 def int4_costs_text(costs: Optional[dict]) -> str:

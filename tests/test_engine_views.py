@@ -161,3 +161,16 @@ def test_two_runs_of_one_mode_are_told_apart_by_what_their_machines_charged():
             assert service.prices_text(service.run_prices(r)) in src
     else:  # one run feeds both tabs (shipped so since 2026-12-07): no two prices to compare
         assert "Why one mode reads differently" not in src
+
+
+def test_engines_text_sets_no_bench_against_an_engines_run_from_another_machine():
+    """A bench from another VM is not read as a gap against this engines run (its ar is that machine's)."""
+    eng = dict(ENGINES, machine={"platform": "Linux-A", "cpu": "AMD EPYC (AVX2)", "date": "2026-12-07 23:56 UTC"})
+    here, there = ({"summary": [{"dataset": "average", "mode": "ar", "tokens_per_s": t, "speedup": 1.0}]} for t in (20.0, 60.0))
+    here["machine"] = {"platform": "Linux-A", "cpu": "AMD EPYC (AVX2)"}
+    there["machine"] = {"platform": "Linux-B", "cpu": "AMD EPYC (AVX2)", "date": "2026-12-07 16:57 UTC"}
+    text = ev.engines_text(eng, {"fast": here, "int4": there})
+    assert "20.0 tok/s on fp32 (-20% against the engines run's 25.0)" in text  # the fp32 bench: same machine
+    assert "60.0 tok/s on int4 (a run on another machine, 2026-12-07 16:57 UTC: not set against this engines run)" in text
+    assert ev.same_machine(here, eng) and not ev.same_machine(there, eng) and ev.same_machine({}, eng)
+
