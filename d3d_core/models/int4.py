@@ -442,3 +442,39 @@ def _run_self_test() -> tuple:
         return True, f"torch int4 weight-only kernel (CPU {torch.backends.cpu.get_cpu_capability()}, bf16 activations, group {GROUP})"
     except Exception as e:  # missing op, unsupported platform
         return False, f"int4 kernel unavailable ({type(e).__name__}: {str(e)[:120]})"
+
+
+# ----------------------------------------------------------------------------- the target's forward on these weights
+
+ATTN_BUCKET = 64  # torch's kernel path: attention key lengths in multiples of this (attention_groups)
+
+
+def attention_groups(T: int, n: int, g: int) -> list:
+    """The int4 engine's attention plan on torch's kernel, for a forward of n rows at positions T..T+n-1 (g query heads
+    per KV head): [(a, a+1, L, mask)], one group per row — row a attends over the first L cached keys, L its position's
+    bucket end (a multiple of ATTN_BUCKET), keys past its own position masked. Each row is its own SDPA call, the very
+    call a one-row step at that position makes: torch's CPU SDPA gives a row a result 1 ulp away from the same row
+    inside a call of several rows (measured on an AVX2 EPYC, torch 2.13), and the int4 engine's bf16 rounding does not
+    always hide it, so a verify over B rows must give every row the bits a one-row step gives it by making the same
+    call. The int4 GEMMs (each row computed alone) then see the same values."""
+    out, keys = [], None
+    for a in range(n):
+        p = T + a
+        L = p // ATTN_BUCKET * ATTN_BUCKET + ATTN_BUCKET
+        if keys is None or keys.numel() != L:
+            keys = torch.arange(L)
+        m = torch.zeros(1, L).masked_fill_(keys[None] > p, float("-inf"))
+        out.append((a, a + 1, L, m.repeat(g, 1)))
+    return out
+
+
+def layer_stack(w4: Int4Weights, fast_layers: list, arch) -> Optional[lowbit.LayerStack]:
+    """The target's Llama-style layers (their ``ln1`` / ``ln2`` norm weights and these int4 weights) as one
+    ``lowbit.LayerStack`` call, or None where the weights are not all low-bit ones of the expected shapes."""
+    try:
+        return lowbit.LayerStack(w4.layers, [fl.ln1 for fl in fast_layers], [fl.ln2 for fl in fast_layers], arch.hidden_size,
+                                 arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.intermediate_size,
+                                 arch.rms_norm_eps)
+    except ValueError:
+        return None
+

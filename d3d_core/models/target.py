@@ -39,7 +39,6 @@ ROW_PLAN_MIN_MB = 64  # a target whose weights are smaller stays in cache; its r
 _ROW_PLANS: dict = {}  # (model type, architecture, threads) -> (plan, info): measured once per process
 _ROW_PLAN_LOCK = threading.RLock()
 _NO_INT4: dict = {}  # a layer without int4 linears (the fp32 fast engine)
-ATTN_BUCKET = 64  # the int4 engine's attention key lengths: multiples of this (see Target._attention_groups)
 ATTN_BUCKET_ROWS = 64  # forwards over more rows (long prefills, identical in every mode) attend as the fp32 engine does
 LOWBIT_ATTN = "lowbit"  # the int4 engine on the low-bit kernel: every row attends alone (lowbit.attention), any row count
 
@@ -357,7 +356,7 @@ class Target:
             raise ValueError(f"context of {T + n} positions exceeds the target's {self.max_positions}")
         groups = None
         if w4 is not None and n <= ATTN_BUCKET_ROWS:
-            groups = LOWBIT_ATTN if w4.kernel == "lowbit" else self._attention_groups(T, n)
+            groups = LOWBIT_ATTN if w4.kernel == "lowbit" else int4.attention_groups(T, n, self.arch.num_attention_heads // self.arch.num_key_value_heads)
         cache.reserve(groups[-1][2] - T if isinstance(groups, list) else n)
         eps, H = self.arch.rms_norm_eps, (self.arch.hidden_size,)
         x = self.shared.embed_tokens(ids.to(self.device))  # (n, H)
@@ -368,10 +367,10 @@ class Target:
             mask[:, T:] = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu_(1)
             mask = mask.repeat(self.arch.num_attention_heads // self.arch.num_key_value_heads, 1)  # one row per stacked query head
         feats = {}
-        # the low-bit engine's decode-sized forwards (each row attending alone): the glue in C too. A longer prefill
-        # keeps SDPA over a causal mask (its rows are computed once, so they need no row invariance)
+        # the low-bit engine's decode-sized forwards (each row attending alone): the glue in C too, row by row. A longer
+        # prefill keeps SDPA over a causal mask (its rows are computed once, so they need no row invariance)
         lib = lowbit.library() if groups is LOWBIT_ATTN and x.dtype == torch.float32 else None
-        if lib is not None:  # the low-bit engine: its glue row by row in C too (residual add + norm, SwiGLU, RoPE)
+        if lib is not None:
             stack = self._lowbit_stack(w4)
             if stack is not None and not torch.autograd.profiler._is_profiler_enabled:
                 x = x.contiguous()
@@ -411,28 +410,17 @@ class Target:
         return TargetOutput(logits.float(), f)
 
     def _lowbit_stack(self, w4) -> Optional["lowbit.LayerStack"]:
-        """The layers as one ``lowbit.LayerStack`` call (built once per int4 weights), or None where this target's layers
-        need more than it does (Qwen3's q / k norms, biases)."""
+        """The layers as one ``lowbit.LayerStack`` call (built once per int4 weights; ``int4.layer_stack``), or None."""
         got = getattr(self, "_stack", None)
-        if got is not None and got[0] is w4:
-            return got[1]
-        stack = None
-        a = self.arch
-        if all(qn is None for qn in self._qk_norm) and not any(l.self_attn.q_proj.bias is not None for l in self.layers):
-            try:
-                stack = lowbit.LayerStack(w4.layers, [fl.ln1 for fl in self._fast_layers], [fl.ln2 for fl in self._fast_layers],
-                                          a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.intermediate_size,
-                                          a.rms_norm_eps)
-            except ValueError:
-                stack = None
-        self._rope_pairs = torch.view_as_real(self._freqs).contiguous()  # (P, hd/2, 2) (cos, sin)
-        self._stack = (w4, stack)
-        return stack
+        if got is None or got[0] is not w4:
+            plain = all(qn is None for qn in self._qk_norm) and not any(l.self_attn.q_proj.bias is not None for l in self.layers)
+            self._rope_pairs = torch.view_as_real(self._freqs).contiguous()  # (P, hd/2, 2) (cos, sin)
+            self._stack = got = (w4, int4.layer_stack(w4, self._fast_layers, self.arch) if plain else None)
+        return got[1]
 
     def _layers_lowbit(self, lib, x: torch.Tensor, w4, cache: StaticKV, T: int, rot, feature_layers: tuple, feats: dict) -> torch.Tensor:
-        """The decoder layers on the low-bit kernel: x (n, H) fp32 embeddings -> the residual stream after the last layer.
-        Each residual add and the norm after it are one call (``lowbit.add_rmsnorm``, x updated in place), the SwiGLU
-        product another (``lowbit.swiglu``); every row computed alone, as the GEMMs and the attention compute it."""
+        """The layers on the low-bit kernel op by op: x (n, H) fp32 -> the residual stream after the last layer (x updated
+        in place by ``lowbit.add_rmsnorm``; SwiGLU by ``lowbit.swiglu``); every row alone, as ``lowbit.LayerStack``."""
         eps = self.arch.rms_norm_eps
         pending = None  # the last sublayer's output, not yet added to x
         for i, fl in enumerate(self._fast_layers):
@@ -448,26 +436,6 @@ class Target:
         if pending is not None:
             x.add_(pending)
         return x
-
-    def _attention_groups(self, T: int, n: int) -> list:
-        """The int4 engine's attention plan on torch's kernel, for a forward of n rows at positions T..T+n-1:
-        [(a, a+1, L, mask)], one group per row — row a attends over the first L cached keys, L its position's bucket
-        end (a multiple of ATTN_BUCKET), keys past its own position masked. Each row is its own SDPA call, the very
-        call a one-row step at that position makes: torch's CPU SDPA gives a row a result 1 ulp away from the same
-        row inside a call of several rows (measured on an AVX2 EPYC, torch 2.13), and the int4 engine's bf16
-        rounding does not always hide it, so a verify over B rows must give every row the bits a one-row step
-        gives it by making the same call. The int4 GEMMs (each row computed alone) then see the same values."""
-        out = []
-        g = self.arch.num_attention_heads // self.arch.num_key_value_heads
-        keys = None
-        for a in range(n):
-            p = T + a
-            L = p // ATTN_BUCKET * ATTN_BUCKET + ATTN_BUCKET
-            if keys is None or keys.numel() != L:
-                keys = torch.arange(L)
-            m = torch.zeros(1, L).masked_fill_(keys[None] > p, float("-inf"))
-            out.append((a, a + 1, L, m.repeat(g, 1)))
-        return out
 
     def _attention(self, fl: "_FastLayer", x, cache: StaticKV, i: int, T: int, rot, mask, plan: fastops.RowPlan, q4: dict = None):
         """x: (n, H) normed -> (n, H). Writes this forward's K/V at positions T..T+n-1. ``q4``: this layer's int4
@@ -495,7 +463,7 @@ class Target:
         g = nh // nkv  # query heads per KV head: stack them as extra query rows, no K/V copies
         if mask is LOWBIT_ATTN:  # each row alone, keys 0..its position, the same bits at any row count
             y = lowbit.attention(qk, nh, kc, vc, T)
-        elif isinstance(mask, list):  # the int4 engine on torch's kernel: each row its own SDPA call (see _attention_groups)
+        elif isinstance(mask, list):  # the int4 engine on torch's kernel: each row its own SDPA call (see int4.attention_groups)
             ys = []
             for a, b, L, m in mask:
                 q = qk[a:b, :nh].transpose(0, 1).reshape(nkv, g * (b - a), hd)
