@@ -466,7 +466,9 @@ def glyph(piece) -> str:
 
 
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
-STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)", "bonus", "held back (not verified)", "no draft (draft gate)"]
+# the bonus gets a column of its own at the right; in the text it stands where the first mismatch was drawn (the legend says so)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)",
+               "bonus (drawn last; in the text it takes the first mismatch's place)", "held back (not verified)", "no draft (draft gate)"]
 STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": a draft past the first mismatch (near-white: checked, but it cannot count)
 
 
@@ -532,7 +534,9 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 hr.append("")
         zr.append(STATE_BONUS)
         tr_.append(show(r.bonus))
-        hr.append(f"round {r.index} · bonus {said(r.bonus)} (target's token after {r.accepted} accepted)")
+        at = f", in d{r.accepted + 1}'s place" if r.accepted < len(r.draft_ids) else ""  # a mismatch's place, or after every draft
+        hr.append(f"round {r.index} · bonus {said(r.bonus)} (target's token after {r.accepted} accepted; in the text it "
+                  f"comes right after them{at})")
         z.append(zr)
         text.append(tr_)
         hover.append(hr)

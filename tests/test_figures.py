@@ -75,6 +75,20 @@ def test_rounds_grid_states(traces, pieces):
     assert len(part.data[0].z) == 3
 
 
+def test_rounds_grid_says_where_the_drawn_last_bonus_really_goes(traces, pieces):
+    """The ninth reader's 9: the bonus is drawn in a last column of its own, but in the text it takes the first
+    mismatch's place; the legend says so, and each bonus cell's hover names the draft it replaces (or none)."""
+    tr = traces[3]
+    fig = figures.rounds_grid_figure(tr, pieces)
+    names = [d.name for d in fig.data[1:]]
+    assert any(n.startswith("bonus") and "first mismatch's place" in n for n in names)
+    for r, hov in zip(tr.rounds, fig.data[0].hovertext):
+        if r.accepted < len(r.draft_ids):
+            assert f"in d{r.accepted + 1}'s place" in hov[-1]
+        else:
+            assert "place" not in hov[-1] and "right after them" in hov[-1]
+
+
 def test_rounds_grid_marks_rounds_the_draft_gate_skipped(pieces):
     from d3d_core.decoding.config import DecodeConfig
     from d3d_core.decoding.engine import decode
