@@ -393,10 +393,11 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "", stale: bo
     for c in (1, 2):
         fig.update_xaxes(title_text="block size B", type="log", tickvals=ticks, ticktext=[str(b) for b in ticks], row=1, col=c)
     on = f" · {datasets.replace(',', ', ')}" if datasets else ""
-    sub = ("<br><sup>made with earlier drafters (replaced since): read it for how τ and speed change with B, not for "
-           "today's values — the Measured bench has those</sup>") if stale else ""
+    # a stale sweep: what its shape still teaches, then that its values are not today's drafters' (two short lines)
+    sub = ("<br><sup>What it still shows: a longer block can raise τ, but each round costs more, so the speedup need not "
+           "follow τ.<br>Its numbers are earlier drafters' (replaced since), not today's: the Measured bench has those.</sup>") if stale else ""
     fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}{sub}", font=dict(size=15)), height=400,
-                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=80, b=40),
+                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=95 if stale else 80, b=40),
                       **{k: v for k, v in LAYOUT.items() if k != "margin"})
     return fig
 

@@ -713,7 +713,11 @@ def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
     from d3d_core import service
 
     sweep = {"d3d-seq": {"4": {"tau": 1.9, "speedup": 1.4}, "8": {"tau": 2.2, "speedup": 1.5}}}
-    assert "earlier drafters" in figures.speedup_vs_block_figure(sweep, "gsm8k", stale=True).layout.title.text
+    title = figures.speedup_vs_block_figure(sweep, "gsm8k", stale=True).layout.title.text
+    assert "earlier drafters" in title
+    # the ninth reader's 17: what the chart still shows (τ against each round's cost as B grows), then that its numbers are not today's
+    assert "What it still shows" in title and "each round costs more" in title and "not today's" in title
+    assert title.index("What it still shows") < title.index("earlier drafters")
     assert "earlier drafters" not in figures.speedup_vs_block_figure(sweep, "gsm8k").layout.title.text
     assert service.block_sweep_stale("smollm2-135m") == ("replaced since" in service.block_sweep_result("smollm2-135m")["note"])
     assert not service.block_sweep_stale("toy")
