@@ -243,6 +243,8 @@ def test_column_html_states_and_labels(traces, pieces):
     # the counters' words a screenshot cannot hover: what a hit is, and why the other modes read "–"
     assert "hit rate</b> (d3d-async)" in legend and "(a, t)" in legend and "drafted during the verify" in legend
     assert "no guessing ahead" in legend
+    # the ninth reader's 7: the coloured boxes mix rejected guesses into the text; the legend points to the plain answer
+    assert "plain text: the ar box" in legend and "reads as the plain answer" in legend
 
 
 def test_column_html_replay_shows_pending(traces, pieces):
