@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -66,6 +67,11 @@ D3D_DRAFTER_INFO = ("default: a small drafter of its own. d3d-deep: the target's
                     "(adapters): better guesses, but each runs all those layers, as a check does. Race both.")
 BLOCK_INFO = "a block: the last kept token (the anchor) + B − 1 guesses"
 HYPS_INFO = "d3d-async: during a check, draft the next block for H likely outcomes"
+
+
+def drafter_choice_label(label: str) -> str:
+    """A D3D drafter's name for the first screen's picker: its adapters' rank (a training detail) said in plain words."""
+    return re.sub(r"trained rank-\d+ adapters", "small trained add-ons", label)
 # the first screen: speculative decoding in plain words before any of the app's own terms, then the four modes, each
 # named once with what sets it apart; DFlash and D3D are papers' names (How it works › Words says which)
 HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast *drafter* model guesses the next few tokens, "
@@ -921,7 +927,7 @@ def build_demo() -> gr.Blocks:
                                           value=lesson.PRESETS["lesson"]["engine"], label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
                         d3d_names = service.d3d_drafters(home)
-                        d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
+                        d3d_pick = gr.Radio([(drafter_choice_label(lab), n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
                                             info=D3D_DRAFTER_INFO)
                     with gr.Column(scale=2):

@@ -318,6 +318,10 @@ def test_the_race_tabs_info_lines_use_no_term_before_it_is_explained():
     # shorter than before: the Race tab after a race has 26 px to spare of its 2,000
     assert len(ui.D3D_DRAFTER_INFO) < 200 and len(ui.BLOCK_INFO) < 62 and len(ui.HYPS_INFO) < 71 and len(ui.ENGINE_INFO) < 240
     assert ui.EXAMPLES_LABEL.startswith("Examples · τ, tokens per target pass:")
+    # the picker's own labels (the drafters' configs name the adapters' rank) say it in words too
+    deep = "D3D shared-weight adapter drafter, 30 layers (the target's own, + trained rank-64 adapters)"
+    assert ui.drafter_choice_label(deep) == "D3D shared-weight adapter drafter, 30 layers (the target's own, + small trained add-ons)"
+    assert "(drafter_choice_label(lab), n)" in (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
     src = (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
     for name in ("ENGINE_INFO", "D3D_DRAFTER_INFO", "BLOCK_INFO", "HYPS_INFO"):
         assert f"info={name})" in src or f"info={name}," in src or f"info={name}\n" in src, name
