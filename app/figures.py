@@ -393,10 +393,11 @@ def speedup_vs_block_figure(sweep: Optional[dict], datasets: str = "", stale: bo
     for c in (1, 2):
         fig.update_xaxes(title_text="block size B", type="log", tickvals=ticks, ticktext=[str(b) for b in ticks], row=1, col=c)
     on = f" · {datasets.replace(',', ', ')}" if datasets else ""
-    sub = ("<br><sup>made with earlier drafters (replaced since): read it for how τ and speed change with B, not for "
-           "today's values — the Measured bench has those</sup>") if stale else ""
+    # a stale sweep: what its shape still teaches, then that its values are not today's drafters' (two short lines)
+    sub = ("<br><sup>What it still shows: a longer block can raise τ, but each round costs more, so the speedup need not "
+           "follow τ.<br>Its numbers are earlier drafters' (replaced since), not today's: the Measured bench has those.</sup>") if stale else ""
     fig.update_layout(title=dict(text=f"Block-size sweep (bench){on}{sub}", font=dict(size=15)), height=400,
-                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=80, b=40),
+                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=95 if stale else 80, b=40),
                       **{k: v for k, v in LAYOUT.items() if k != "margin"})
     return fig
 
@@ -466,7 +467,9 @@ def glyph(piece) -> str:
 
 
 STATE_ANCHOR, STATE_ACCEPTED, STATE_MISMATCH, STATE_UNVERIFIED, STATE_BONUS, STATE_HELD, STATE_SKIPPED = range(7)
-STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)", "bonus", "held back (not verified)", "no draft (draft gate)"]
+# the bonus gets a column of its own at the right; in the text it stands where the first mismatch was drawn (the legend says so)
+STATE_NAMES = ["anchor", "accepted", "first mismatch", "after the mismatch (checked, discarded)",
+               "bonus (drawn last; in the text it takes the first mismatch's place)", "held back (not verified)", "no draft (draft gate)"]
 STATE_COLOURS = [PALE_GREY, GREEN, VERMILLION, "#F2F2F2", BLUE, PALE_YELLOW, PALE_BLUE]  # "#F2F2F2": a draft past the first mismatch (near-white: checked, but it cannot count)
 
 
@@ -532,7 +535,9 @@ def rounds_grid_figure(trace: Optional[Trace], pieces: dict, upto: Optional[int]
                 hr.append("")
         zr.append(STATE_BONUS)
         tr_.append(show(r.bonus))
-        hr.append(f"round {r.index} · bonus {said(r.bonus)} (target's token after {r.accepted} accepted)")
+        at = f", in d{r.accepted + 1}'s place" if r.accepted < len(r.draft_ids) else ""  # a mismatch's place, or after every draft
+        hr.append(f"round {r.index} · bonus {said(r.bonus)} (target's token after {r.accepted} accepted; in the text it "
+                  f"comes right after them{at})")
         z.append(zr)
         text.append(tr_)
         hover.append(hr)

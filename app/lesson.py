@@ -101,7 +101,8 @@ PRESET_TIPS = {
     "preset-adaptive": "The lesson plus the adaptive verify plan: verify only the drafts likely to pay, hold back the rest "
                        "(sets the controls; then press ▶ Run race)",
     "preset-fair": "Both refinements on the int4 engine, this app's fastest ar: the honest test of whether speculation pays "
-                   "here (sets the controls; then press ▶ Run race)",
+                   "here. int4 rounds differently from fp32, so its answer can differ from the lesson's; every mode still "
+                   "prints exactly int4's own ar answer (sets the controls; then press ▶ Run race)",
     "preset-recorded": "Shows the lesson race recorded on another machine (its times are that machine's) in every tab at "
                        "once, without running anything here",
 }

@@ -69,15 +69,21 @@ body.d3d-presenter .info-text {font-size: 17px !important;}
 LEGEND_TAU = "<b>τ</b>: tokens per round (one target pass keeps the right guesses + one token of its own)"
 
 
+# the coloured boxes mix rejected guesses into the text; where the answer reads as plain text (the legend's hover)
+PLAIN_TEXT_TIP = ("Each box shows the end of its answer; scroll it up for the start. The ar box holds no guesses, so it reads "
+                  "as the plain answer. In the others, struck-through tokens are rejected guesses, not part of the answer; "
+                  "at temperature 0 the kept tokens spell the ar box's answer.")
+
+
 def legend_html() -> str:
     return CSS + (
         '<div class="d3d-legend"><span>Legend:</span>'
         '<span><span class="tok acc">accepted</span> accepted draft</span>'
-        '<span><span class="tok bonus">bonus</span> bonus / corrected token (from the target)</span>'
+        '<span><span class="tok bonus">bonus</span> the target\'s own token</span>'
         '<span><span class="tok rej">rejected</span> rejected draft</span>'
         '<span><span class="tok pend">pending</span> drafted, not yet verified</span>'
         '<span><span class="tok first">first</span> first token (from prefill)</span>'
-        '<span title="each column shows the end of its answer; scroll the box up for the start">↕ scroll a box up for its start</span>'
+        f'<span title="{html.escape(PLAIN_TEXT_TIP)}">↕ scroll up for the start · plain text: the ar box</span>'
         "</div>"
         f'<div class="d3d-legend d3d-counters"><span>{LEGEND_TAU}</span>'
         f'<span class="term" title="{html.escape(TIPS["hit rate"])}"><b>hit rate</b> (d3d-async): next block drafted during '

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -57,10 +58,20 @@ EXAMPLES = [
     ("What are three good habits for learning a new language? Answer briefly.", "chat · τ ≈ 1.2"),
 ]
 # what the chips' τ counts (a lesson race runs to the end of its answer, so it reads another τ)
-EXAMPLES_LABEL = "Examples · τ: d3d-seq's over the first 96 new tokens, not this race's (How it works › Which τ is which)"
-ENGINE_INFO = ("int4: the GGUF's 4-bit blocks, this app's fastest ar (⚖ fair race; after an int4 race the Status line names "
-               "its kernel, “int4 GEMM: …”). fp32: the same weights dequantised, a slower ar that leaves speculation more to "
-               "win (the lesson).")
+EXAMPLES_LABEL = "Examples · τ, tokens per target pass: d3d-seq's, first 96 new tokens, not this race's (How it works › Which τ is which)"
+# the first screen's info lines in plain words (each technical term once, in parentheses, where the app uses it elsewhere)
+ENGINE_INFO = ("int4: the weights stored in 4 bits (the GGUF file's format); after an int4 race the Status line names its "
+               "kernel (“int4 GEMM: …”). fp32: the same weights as 32-bit floats (dequantised). They round differently, so "
+               "their answers can differ.")
+D3D_DRAFTER_INFO = ("default: a small drafter of its own. d3d-deep: the target's own layers plus small trained add-ons "
+                    "(adapters): better guesses, but each runs all those layers, as a check does. Race both.")
+BLOCK_INFO = "a block: the last kept token (the anchor) + B − 1 guesses"
+HYPS_INFO = "d3d-async: during a check, draft the next block for H likely outcomes"
+
+
+def drafter_choice_label(label: str) -> str:
+    """A D3D drafter's name for the first screen's picker: its adapters' rank (a training detail) said in plain words."""
+    return re.sub(r"trained rank-\d+ adapters", "small trained add-ons", label)
 # the first screen: speculative decoding in plain words before any of the app's own terms, then the four modes, each
 # named once with what sets it apart; DFlash and D3D are papers' names (How it works › Words says which)
 HEADER = ("# D3D Studio\n**Speculative decoding in one sentence:** a small, fast *drafter* model guesses the next few tokens, "
@@ -912,15 +923,13 @@ def build_demo() -> gr.Blocks:
                         gr.Markdown(lesson.PRESET_BUTTONS, elem_id="preset-buttons")
                         preset_note = gr.Markdown(lesson.PRESET_NOTES["lesson"], elem_id="preset-note")
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, value=lesson.PRESETS["lesson"]["prompt"], elem_id="prompt")
-                        engine = gr.Radio([("int4 (the GGUF's 4-bit blocks, faster ar)", "int4"), ("fp32 (the same weights dequantised, slower ar)", "fp32")],
+                        engine = gr.Radio([("int4 (4-bit weights, faster ar)", "int4"), ("fp32 (32-bit weights, slower ar)", "fp32")],
                                           value=lesson.PRESETS["lesson"]["engine"], label="Engine (every mode, ar included)", elem_id="engine",
                                           info=ENGINE_INFO)
                         d3d_names = service.d3d_drafters(home)
-                        d3d_pick = gr.Radio([(lab, n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
+                        d3d_pick = gr.Radio([(drafter_choice_label(lab), n) for n, lab in d3d_names.items()], value="d3d", visible=len(d3d_names) > 1,
                                             label="D3D drafter (d3d-seq, d3d-async)", elem_id="d3d-drafter",
-                                            info="d3d-deep: the target's own layers + small trained adapters (rank 64) acting on the "
-                                                 "MASK slots (the positions still to be guessed). Higher τ, but a draft reads every layer, "
-                                                 "as a verify does: race both and compare.")
+                                            info=D3D_DRAFTER_INFO)
                     with gr.Column(scale=2):
                         bundle = gr.Dropdown(service.bundle_names(), value=home, elem_id="bundle",
                                              label="Bundle: a target model + its drafters (smollm2-135m: from its GGUF file)")
@@ -929,9 +938,9 @@ def build_demo() -> gr.Blocks:
                                     label=EXAMPLES_LABEL)
                         block = gr.Slider(lim["block_min"], lim["block_max"], value=service.default_block(home), step=1,
                                           label="Block size B (this bundle's default: its trained block size)",
-                                          info="a block = the anchor (the last committed token) + B − 1 drafts")
+                                          info=BLOCK_INFO)
                         hyps = gr.Slider(lim["h_min"], lim["h_max"], value=4, step=1, label="Hypotheses H (d3d-async)",
-                                         info="d3d-async: blocks drafted during a verify for its likeliest ends (a, t)")
+                                         info=HYPS_INFO)
                         max_new = gr.Slider(8, lim["max_new_max"], value=lesson.PRESETS["lesson"]["max_new_tokens"], step=8, label="Max new tokens")
                         use_pruned = gr.Checkbox(value=False, label="race the D3D drafter pruned as in the Pruning tab",
                                                  info="on: only the layers ticked there; off: the drafter as shipped")

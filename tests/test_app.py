@@ -301,6 +301,32 @@ def test_the_race_tab_says_where_the_status_names_things_and_what_the_lesson_chi
     assert "not this race's (How it works › Which τ is which)" in ui.EXAMPLES_LABEL  # the first τ not the race's points there
 
 
+def test_the_race_tabs_info_lines_use_no_term_before_it_is_explained():
+    """Issue 46, the ninth reader's 1: the info lines under the first screen's controls say what a thing is in plain
+    words, each technical term at most once and in parentheses after them; no MASK slots, ranks or (a, t) there, and
+    the chips' τ is said in words on their label before any chip shows a number."""
+    from app import ui
+
+    infos = {"engine": ui.ENGINE_INFO, "drafter": ui.D3D_DRAFTER_INFO, "block": ui.BLOCK_INFO, "hyps": ui.HYPS_INFO}
+    for name, text in infos.items():
+        for jargon in ("MASK", "rank", "(a, t)", "committed", "dequantised weights", "GGUF's", "likeliest ends"):
+            assert jargon not in text, (name, jargon)
+    assert "4 bits (the GGUF file's format)" in ui.ENGINE_INFO and "32-bit floats (dequantised)" in ui.ENGINE_INFO
+    assert "answers can differ" in ui.ENGINE_INFO  # the ninth reader's 26: int4 and fp32 round differently
+    assert "plus small trained add-ons (adapters)" in ui.D3D_DRAFTER_INFO
+    assert "the last kept token (the anchor)" in ui.BLOCK_INFO
+    # shorter than before: the Race tab after a race has 26 px to spare of its 2,000
+    assert len(ui.D3D_DRAFTER_INFO) < 200 and len(ui.BLOCK_INFO) < 62 and len(ui.HYPS_INFO) < 71 and len(ui.ENGINE_INFO) < 240
+    assert ui.EXAMPLES_LABEL.startswith("Examples · τ, tokens per target pass:")
+    # the picker's own labels (the drafters' configs name the adapters' rank) say it in words too
+    deep = "D3D shared-weight adapter drafter, 30 layers (the target's own, + trained rank-64 adapters)"
+    assert ui.drafter_choice_label(deep) == "D3D shared-weight adapter drafter, 30 layers (the target's own, + small trained add-ons)"
+    assert "(drafter_choice_label(lab), n)" in (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
+    src = (ROOT / "app" / "ui.py").read_text(encoding="utf-8")
+    for name in ("ENGINE_INFO", "D3D_DRAFTER_INFO", "BLOCK_INFO", "HYPS_INFO"):
+        assert f"info={name})" in src or f"info={name}," in src or f"info={name}\n" in src, name
+
+
 def test_the_first_screen_says_what_speculative_decoding_is_before_any_jargon():
     """Issue 46, the eighth reader's 1 and 2: the header's first sentence explains speculative decoding with words of
     its own (drafter guesses, target checks in one pass, keeps what it would have written, output identical), before

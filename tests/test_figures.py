@@ -75,6 +75,20 @@ def test_rounds_grid_states(traces, pieces):
     assert len(part.data[0].z) == 3
 
 
+def test_rounds_grid_says_where_the_drawn_last_bonus_really_goes(traces, pieces):
+    """The ninth reader's 9: the bonus is drawn in a last column of its own, but in the text it takes the first
+    mismatch's place; the legend says so, and each bonus cell's hover names the draft it replaces (or none)."""
+    tr = traces[3]
+    fig = figures.rounds_grid_figure(tr, pieces)
+    names = [d.name for d in fig.data[1:]]
+    assert any(n.startswith("bonus") and "first mismatch's place" in n for n in names)
+    for r, hov in zip(tr.rounds, fig.data[0].hovertext):
+        if r.accepted < len(r.draft_ids):
+            assert f"in d{r.accepted + 1}'s place" in hov[-1]
+        else:
+            assert "place" not in hov[-1] and "right after them" in hov[-1]
+
+
 def test_rounds_grid_marks_rounds_the_draft_gate_skipped(pieces):
     from d3d_core.decoding.config import DecodeConfig
     from d3d_core.decoding.engine import decode
@@ -229,6 +243,8 @@ def test_column_html_states_and_labels(traces, pieces):
     # the counters' words a screenshot cannot hover: what a hit is, and why the other modes read "–"
     assert "hit rate</b> (d3d-async)" in legend and "(a, t)" in legend and "drafted during the verify" in legend
     assert "no guessing ahead" in legend
+    # the ninth reader's 7: the coloured boxes mix rejected guesses into the text; the legend points to the plain answer
+    assert "plain text: the ar box" in legend and "reads as the plain answer" in legend
 
 
 def test_column_html_replay_shows_pending(traces, pieces):
@@ -699,7 +715,11 @@ def test_a_sweep_made_with_replaced_drafters_says_what_it_is_still_good_for():
     from d3d_core import service
 
     sweep = {"d3d-seq": {"4": {"tau": 1.9, "speedup": 1.4}, "8": {"tau": 2.2, "speedup": 1.5}}}
-    assert "earlier drafters" in figures.speedup_vs_block_figure(sweep, "gsm8k", stale=True).layout.title.text
+    title = figures.speedup_vs_block_figure(sweep, "gsm8k", stale=True).layout.title.text
+    assert "earlier drafters" in title
+    # the ninth reader's 17: what the chart still shows (τ against each round's cost as B grows), then that its numbers are not today's
+    assert "What it still shows" in title and "each round costs more" in title and "not today's" in title
+    assert title.index("What it still shows") < title.index("earlier drafters")
     assert "earlier drafters" not in figures.speedup_vs_block_figure(sweep, "gsm8k").layout.title.text
     assert service.block_sweep_stale("smollm2-135m") == ("replaced since" in service.block_sweep_result("smollm2-135m")["note"])
     assert not service.block_sweep_stale("toy")

@@ -114,3 +114,8 @@ def test_the_first_screen_says_what_each_preset_button_does():
     assert "nothing run" in lesson.PRESET_BUTTONS and "without running anything" in lesson.PRESET_TIPS["preset-recorded"]
     assert json.dumps(lesson.PRESET_TIPS) in ui.PRESET_TIPS_JS and "el.title = tip" in ui.PRESET_TIPS_JS
     assert len(lesson.PRESET_BUTTONS) < 220  # one compact line: the Race tab must stay under 2,000 px
+    # the ninth reader's 26: the fair race's answer is int4's, which can differ from the fp32 lesson's, yet each mode
+    # still prints its own engine's ar answer
+    fair = lesson.PRESET_TIPS["preset-fair"]
+    assert lesson.PRESETS["fair"]["engine"] == "int4" and lesson.PRESETS["lesson"]["engine"] == "fp32"
+    assert "can differ from the lesson's" in fair and "exactly int4's own ar answer" in fair
